@@ -1,0 +1,410 @@
+"""Logits-free token math: selected-token log-probs, entropy and self-certainty from hidden states.
+
+A policy update needs, per token, a handful of scalars that depend on the whole vocabulary row of
+logits ``z = (h @ W.T + b) / temperature``: the log-normaliser ``logsumexp(z)``, the selected logit
+``z[target]``, the mean logit and ``E_p[z]``. Materialising ``z`` for a batch costs ``B * T * V * 4``
+bytes (8 GiB for 8 x 1024 tokens and a 256k vocabulary), and autograd would keep it, plus the
+softmax, until backward. Here ``z`` is computed one block at a time — a block of tokens (``B * T``
+flattened) by a block of vocabulary rows — and reduced on the fly with an online logsumexp, so the
+``[B, T, V]`` tensor never exists.
+
+What is saved for backward: the inputs (``hidden``, ``weight``, ``bias``, ``targets``, which
+autograd holds anyway), the per-token log-normaliser ``[N]`` and, when entropy is requested, the
+per-token entropy ``[N]`` (both float32, ``N = B * T``). Nothing of size ``V`` per token is kept;
+backward recomputes each block of logits and turns it into gradients straight away.
+
+Memory bound (beyond inputs and outputs): one float32 logits block ``[tokens, vocab]`` of at most
+``_LOGITS_BUDGET_BYTES`` (64 MiB), about two such blocks live at a time, plus float32 copies of one
+hidden chunk and one weight chunk when the inputs are bf16/fp16 (the automatic plan keeps those
+within the budget too). Backward adds one float32 gradient accumulator: ``[N, H]`` for the hidden
+states when the weight needs a gradient (loop over vocabulary blocks outside, so each weight
+block's gradient is summed once in float32 and written once), else only ``[tokens, H]`` (loop over
+token blocks outside).
+
+Dtypes: every block is computed in float32 (float64 for double inputs) by casting the hidden chunk
+and weight rows before the matmul, never by rounding bf16 logits, so outputs are float32 whatever
+the input dtype and the sums accumulate in float32. Autocast is switched off inside. Gradients are
+returned in the dtypes of the inputs. Double backward is not supported.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+# Byte budget of one float32 logits block when the chunk sizes are chosen automatically.
+_LOGITS_BUDGET_BYTES = 64 * 2**20
+
+
+class TokenStats(NamedTuple):
+    """Per-token statistics from :func:`token_stats`, each ``[B, T]`` float32; unrequested ones are ``None``.
+
+    Attributes:
+        logp: log p(target).
+        entropy: entropy of softmax(z).
+        self_certainty: KL(U || p) = logsumexp(z) - mean(z) - log V.
+    """
+
+    logp: Tensor | None
+    entropy: Tensor | None
+    self_certainty: Tensor | None
+
+
+def _plan_chunks(
+    n: int, v: int, h: int, chunk_size: int | None, vocab_chunk: int | None, budget_bytes: int
+) -> tuple[int, int]:
+    """Token and vocabulary block sizes so that one float32 logits block stays within ``budget_bytes``.
+
+    With nothing given, the vocabulary block is bounded so that a float32 copy of the weight rows
+    ``[vc, H]`` also fits, the blocks are evened out, and the token block fills the rest of the budget.
+    """
+    budget = max(1, budget_bytes // 4)  # float32 elements
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive number of tokens, got {chunk_size}")
+    if vocab_chunk is None:
+        rows = chunk_size if chunk_size is not None else 1
+        vc = max(1, min(v, budget // max(rows, h)))
+        vc = -(-v // -(-v // vc))  # even blocks: ceil(v / n_blocks), never larger than before
+    else:
+        if vocab_chunk < 1:
+            raise ValueError(f"vocabulary chunk must be positive, got {vocab_chunk}")
+        vc = min(v, vocab_chunk)
+    tc = chunk_size if chunk_size is not None else max(1, min(budget // vc, budget // max(h, 1)))
+    return max(1, min(n, tc)), max(1, vc)
+
+
+def _block_logits(h: Tensor, w: Tensor, b: Tensor | None, temperature: float) -> Tensor:
+    """Float32 logits of one block; ``h`` and ``w`` are already in the compute dtype."""
+    z = h @ w.T  # [tc, vc]
+    if b is not None:
+        z += b
+    if temperature != 1.0:
+        z /= temperature
+    return z
+
+
+class _TokenStatsFn(torch.autograd.Function):
+    """Chunked forward/backward over flattened tokens; see the module docstring for what is saved."""
+
+    @staticmethod
+    def forward(
+        ctx,
+        hidden: Tensor,  # [N, H]
+        weight: Tensor,  # [V, H]
+        bias: Tensor | None,  # [V]
+        targets: Tensor | None,  # [N]
+        temperature: float,
+        tc: int,
+        vc: int,
+        want_entropy: bool,
+        want_sc: bool,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        n, v = hidden.shape[0], weight.shape[0]
+        cdtype = torch.promote_types(torch.promote_types(hidden.dtype, weight.dtype), torch.float32)
+        dev = hidden.device
+        m = torch.full((n,), -math.inf, dtype=cdtype, device=dev)  # running max  [N]
+        s = torch.zeros(n, dtype=cdtype, device=dev)  # sum exp(z - m)  [N]
+        ez = torch.zeros(n, dtype=cdtype, device=dev) if want_entropy else None  # sum exp(z - m) * z  [N]
+        zsum = torch.zeros(n, dtype=cdtype, device=dev) if want_sc else None  # sum z  [N]
+        sel = torch.zeros(n, dtype=cdtype, device=dev) if targets is not None else None  # z[target]  [N]
+
+        with torch.autocast(dev.type, enabled=False):
+            for v0 in range(0, v, vc):
+                v1 = min(v, v0 + vc)
+                w = weight[v0:v1].to(cdtype)  # [vc, H]
+                b = bias[v0:v1].to(cdtype) if bias is not None else None  # [vc]
+                for t0 in range(0, n, tc):
+                    t1 = min(n, t0 + tc)
+                    z = _block_logits(hidden[t0:t1].to(cdtype), w, b, temperature)  # [tc, vc]
+                    m_old = m[t0:t1]
+                    m_new = torch.maximum(m_old, z.amax(dim=-1))  # [tc]
+                    scale = torch.exp(m_old - m_new)  # [tc], 0 on the first block
+                    e = torch.exp(z - m_new[:, None])  # [tc, vc]
+                    s[t0:t1] = s[t0:t1] * scale + e.sum(dim=-1)
+                    if ez is not None:
+                        ez[t0:t1] = ez[t0:t1] * scale + e.mul_(z).sum(dim=-1)
+                    if zsum is not None:
+                        zsum[t0:t1] += z.sum(dim=-1)
+                    if sel is not None:
+                        local, inside = _local_targets(targets[t0:t1], v0, v1)  # [tc, 1], [tc]
+                        sel[t0:t1] += torch.where(inside, z.gather(1, local).squeeze(1), 0.0)
+                    m[t0:t1] = m_new
+
+        lse = m + torch.log(s)  # [N]
+        logp = sel - lse if sel is not None else None  # [N]
+        ent = lse - ez / s if ez is not None else None  # [N]
+        sc = lse - zsum / v - math.log(v) if zsum is not None else None  # [N]
+
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, ent)
+        ctx.temperature, ctx.tc, ctx.vc = temperature, tc, vc
+        # unrequested outputs: distinct empty placeholders, no gradient
+        placeholders = [hidden.new_empty(0, dtype=cdtype) for t in (logp, ent, sc) if t is None]
+        if placeholders:
+            ctx.mark_non_differentiable(*placeholders)
+        it = iter(placeholders)
+        logp, ent, sc = (t if t is not None else next(it) for t in (logp, ent, sc))
+        ctx.set_materialize_grads(False)
+        return logp, ent, sc
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g_logp: Tensor | None, g_ent: Tensor | None, g_sc: Tensor | None):
+        hidden, weight, bias, targets, lse, ent = ctx.saved_tensors
+        temperature, tc, vc = ctx.temperature, ctx.tc, ctx.vc
+        need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        if targets is None or g_logp is None or g_logp.numel() == 0:
+            g_logp = None
+        if ent is None or g_ent is None or g_ent.numel() == 0:
+            g_ent = None
+        if g_sc is None or g_sc.numel() == 0:
+            g_sc = None
+        if (g_logp is None and g_ent is None and g_sc is None) or not (need_h or need_w or need_b):
+            return (None,) * 9
+
+        n, v = hidden.shape[0], weight.shape[0]
+        cdtype = lse.dtype
+        # coefficient of p in dz: dlogp/dz = onehot - p, dsc/dz = p - 1/V, dH/dz = -p * (z - lse + H)
+        a = torch.zeros_like(lse)  # [N]
+        if g_sc is not None:
+            a += g_sc
+        if g_logp is not None:
+            a -= g_logp
+        shift = lse - ent if g_ent is not None else None  # [N], lse - H = E_p[z]
+
+        def block_grad(t0: int, t1: int, v0: int, v1: int, h: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+            """d(loss)/d(logits before temperature) for one block."""
+            z = _block_logits(h, w, b, temperature)  # [tc, vc]
+            p = torch.exp(z - lse[t0:t1, None])  # [tc, vc]
+            if g_ent is not None:
+                dz = z.sub_(shift[t0:t1, None]).mul_(-g_ent[t0:t1, None]).add_(a[t0:t1, None]).mul_(p)  # [tc, vc]
+            else:
+                dz = p.mul_(a[t0:t1, None])  # [tc, vc]
+            if g_sc is not None:
+                dz -= g_sc[t0:t1, None] / v
+            if g_logp is not None:
+                local, inside = _local_targets(targets[t0:t1], v0, v1)  # [tc, 1], [tc]
+                dz.scatter_add_(1, local, torch.where(inside, g_logp[t0:t1], 0.0)[:, None])
+            if temperature != 1.0:
+                dz /= temperature
+            return dz
+
+        dev = hidden.device
+        grad_h = grad_w = grad_b = None
+        with torch.autocast(dev.type, enabled=False):
+            if need_w:
+                # vocabulary blocks outside: each weight block's gradient is summed in float32 once
+                grad_w = torch.empty_like(weight)
+                gh = torch.zeros(n, hidden.shape[1], dtype=cdtype, device=dev) if need_h else None  # [N, H]
+                gb = torch.zeros(v, dtype=cdtype, device=dev) if need_b else None  # [V]
+                for v0 in range(0, v, vc):
+                    v1 = min(v, v0 + vc)
+                    w = weight[v0:v1].to(cdtype)  # [vc, H]
+                    b = bias[v0:v1].to(cdtype) if bias is not None else None  # [vc]
+                    gw = torch.zeros_like(w)  # [vc, H]
+                    for t0 in range(0, n, tc):
+                        t1 = min(n, t0 + tc)
+                        h = hidden[t0:t1].to(cdtype)  # [tc, H]
+                        dz = block_grad(t0, t1, v0, v1, h, w, b)  # [tc, vc]
+                        gw.addmm_(dz.T, h)
+                        if gh is not None:
+                            gh[t0:t1].addmm_(dz, w)
+                        if gb is not None:
+                            gb[v0:v1] += dz.sum(dim=0)
+                    grad_w[v0:v1] = gw
+            else:
+                # token blocks outside: only a [tc, H] float32 accumulator for the hidden gradient
+                gh = torch.empty(n, hidden.shape[1], dtype=hidden.dtype, device=dev) if need_h else None  # [N, H]
+                gb = torch.zeros(v, dtype=cdtype, device=dev) if need_b else None  # [V]
+                for t0 in range(0, n, tc):
+                    t1 = min(n, t0 + tc)
+                    h = hidden[t0:t1].to(cdtype)  # [tc, H]
+                    acc = torch.zeros_like(h) if gh is not None else None  # [tc, H]
+                    for v0 in range(0, v, vc):
+                        v1 = min(v, v0 + vc)
+                        w = weight[v0:v1].to(cdtype)  # [vc, H]
+                        b = bias[v0:v1].to(cdtype) if bias is not None else None  # [vc]
+                        dz = block_grad(t0, t1, v0, v1, h, w, b)  # [tc, vc]
+                        if acc is not None:
+                            acc.addmm_(dz, w)
+                        if gb is not None:
+                            gb[v0:v1] += dz.sum(dim=0)
+                    if gh is not None:
+                        gh[t0:t1] = acc
+            if need_h:
+                grad_h = gh.to(hidden.dtype)
+            if need_b:
+                grad_b = gb.to(bias.dtype)
+        return grad_h, grad_w, grad_b, None, None, None, None, None, None
+
+
+def _local_targets(targets: Tensor, v0: int, v1: int) -> tuple[Tensor, Tensor]:
+    """Target columns inside the vocabulary block ``[v0, v1)`` (clamped) and which targets fall there."""
+    local = targets - v0  # [tc]
+    inside = (local >= 0) & (local < v1 - v0)  # [tc]
+    return local.clamp(0, v1 - v0 - 1)[:, None], inside
+
+
+def token_stats(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor | None,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    bias: Tensor | None = None,
+    entropy: bool = True,
+    self_certainty: bool = False,
+    _vocab_chunk: int | None = None,
+) -> TokenStats:
+    """Selected-token log-probs, entropy and self-certainty in one chunked pass over the LM head.
+
+    Each block of logits ``z = (hidden @ weight.T + bias) / temperature`` is read once and gives the
+    log-normaliser, the selected logit, the mean logit and ``E_p[z]``; all outputs are differentiable
+    w.r.t. ``hidden``, ``weight`` and ``bias`` (those that require grad), and backward recomputes
+    the blocks.
+
+    Args:
+        hidden: hidden states ``[B, T, H]`` (any leading shape), any float dtype.
+        weight: LM-head weight ``[V, H]``; with ``requires_grad=False`` no gradient is computed for it.
+        targets: token ids ``[B, T]`` (long), or ``None`` to skip ``logp``. Ids outside ``[0, V)``
+            give a meaningless ``logp`` and no gradient; mask those positions.
+        temperature: logits are divided by it (sampling temperature), must be positive.
+        chunk_size: tokens per block; ``None`` chooses token and vocabulary blocks so that one float32
+            logits block stays within 64 MiB. Given, the vocabulary block is chosen to keep that budget.
+        bias: optional LM-head bias ``[V]``.
+        entropy: compute the entropy of softmax(z).
+        self_certainty: compute KL(U || p) = logsumexp(z) - mean(z) - log V.
+        _vocab_chunk: vocabulary rows per block (tests); ``None`` chooses it from the budget.
+
+    Returns:
+        :class:`TokenStats` of ``[B, T]`` float32 tensors (float64 for double inputs); unrequested ones ``None``.
+
+    Raises:
+        ValueError: on mismatched shapes or a non-positive temperature or chunk size.
+    """
+    if hidden.shape[-1] != weight.shape[-1] or weight.dim() != 2:
+        raise ValueError(f"hidden [..., H] and weight [V, H] disagree: {tuple(hidden.shape)} vs {tuple(weight.shape)}")
+    if targets is not None and targets.shape != hidden.shape[:-1]:
+        raise ValueError(f"targets {tuple(targets.shape)} must match hidden[..., :-1] {tuple(hidden.shape[:-1])}")
+    if bias is not None and bias.shape != weight.shape[:1]:
+        raise ValueError(f"bias {tuple(bias.shape)} must be [V] = [{weight.shape[0]}]")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be positive, got {temperature}")
+    lead, h_dim = hidden.shape[:-1], hidden.shape[-1]
+    flat_h = hidden.reshape(-1, h_dim)  # [N, H]
+    flat_t = targets.reshape(-1) if targets is not None else None  # [N]
+    tc, vc = _plan_chunks(flat_h.shape[0], weight.shape[0], h_dim, chunk_size, _vocab_chunk, _LOGITS_BUDGET_BYTES)
+    logp, ent, sc = _TokenStatsFn.apply(
+        flat_h, weight, bias, flat_t, float(temperature), tc, vc, bool(entropy), bool(self_certainty)
+    )
+    return TokenStats(
+        logp=logp.reshape(lead) if targets is not None else None,
+        entropy=ent.reshape(lead) if entropy else None,
+        self_certainty=sc.reshape(lead) if self_certainty else None,
+    )
+
+
+def selective_log_probs(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    bias: Tensor | None = None,
+    _vocab_chunk: int | None = None,
+) -> Tensor:
+    """Float32 log p(target) ``[B, T]`` from hidden states, without materialising ``[B, T, V]`` logits.
+
+    Args:
+        hidden: hidden states ``[B, T, H]``, any float dtype.
+        weight: LM-head weight ``[V, H]``.
+        targets: token ids ``[B, T]`` (long).
+        temperature: logits are divided by it.
+        chunk_size: tokens per block; ``None`` chooses from a 64 MiB logits budget.
+        bias: optional LM-head bias ``[V]``.
+        _vocab_chunk: vocabulary rows per block (tests).
+    """
+    return token_stats(
+        hidden,
+        weight,
+        targets,
+        temperature=temperature,
+        chunk_size=chunk_size,
+        bias=bias,
+        entropy=False,
+        self_certainty=False,
+        _vocab_chunk=_vocab_chunk,
+    ).logp
+
+
+def entropy(
+    hidden: Tensor,
+    weight: Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    bias: Tensor | None = None,
+    _vocab_chunk: int | None = None,
+) -> Tensor:
+    """Float32 per-token entropy ``[B, T]`` of softmax(logits), differentiable.
+
+    Args:
+        hidden: hidden states ``[B, T, H]``, any float dtype.
+        weight: LM-head weight ``[V, H]``.
+        temperature: logits are divided by it.
+        chunk_size: tokens per block; ``None`` chooses from a 64 MiB logits budget.
+        bias: optional LM-head bias ``[V]``.
+        _vocab_chunk: vocabulary rows per block (tests).
+    """
+    return token_stats(
+        hidden,
+        weight,
+        None,
+        temperature=temperature,
+        chunk_size=chunk_size,
+        bias=bias,
+        entropy=True,
+        self_certainty=False,
+        _vocab_chunk=_vocab_chunk,
+    ).entropy
+
+
+def self_certainty(
+    hidden: Tensor,
+    weight: Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    bias: Tensor | None = None,
+    _vocab_chunk: int | None = None,
+) -> Tensor:
+    """Float32 per-token self-certainty ``[B, T]``: KL(U || p) = logsumexp(z) - mean(z) - log V.
+
+    Non-negative up to float32 rounding (not clamped, to keep the gradient exact). Its gradient
+    w.r.t. ``z`` is ``softmax(z) - 1/V``, divided by ``temperature`` on the way to the logits.
+    Intuitor (Zhao et al., 2025, "Learning to Reason without External Rewards") uses it as reward.
+
+    Args:
+        hidden: hidden states ``[B, T, H]``, any float dtype.
+        weight: LM-head weight ``[V, H]``.
+        temperature: logits are divided by it.
+        chunk_size: tokens per block; ``None`` chooses from a 64 MiB logits budget.
+        bias: optional LM-head bias ``[V]``.
+        _vocab_chunk: vocabulary rows per block (tests).
+    """
+    return token_stats(
+        hidden,
+        weight,
+        None,
+        temperature=temperature,
+        chunk_size=chunk_size,
+        bias=bias,
+        entropy=False,
+        self_certainty=True,
+        _vocab_chunk=_vocab_chunk,
+    ).self_certainty
