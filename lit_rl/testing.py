@@ -10,8 +10,7 @@ import string
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
-from transformers import GPT2Config, LlamaConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config
 
 SPECIAL_TOKENS = ["<pad>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
@@ -44,22 +43,45 @@ def tiny_config(arch: str = "llama", vocab_size: int = 128, hidden_size: int = 3
     """A transformers config of a tiny causal LM in one of the shapes we support (llama, qwen2, gpt2)."""
     if arch == "llama":
         return LlamaConfig(
-            vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-            num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
-            max_position_embeddings=512, tie_word_embeddings=kw.pop("tie_word_embeddings", True),
-            pad_token_id=0, eos_token_id=2, bos_token_id=1, **kw,
+            vocab_size=vocab_size,
+            hidden_size=hidden_size,
+            intermediate_size=2 * hidden_size,
+            num_hidden_layers=num_layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=512,
+            tie_word_embeddings=kw.pop("tie_word_embeddings", True),
+            pad_token_id=0,
+            eos_token_id=2,
+            bos_token_id=1,
+            **kw,
         )
     if arch == "qwen2":
         return Qwen2Config(
-            vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-            num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
-            max_position_embeddings=512, tie_word_embeddings=kw.pop("tie_word_embeddings", False),
-            pad_token_id=0, eos_token_id=2, bos_token_id=1, **kw,
+            vocab_size=vocab_size,
+            hidden_size=hidden_size,
+            intermediate_size=2 * hidden_size,
+            num_hidden_layers=num_layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=512,
+            tie_word_embeddings=kw.pop("tie_word_embeddings", False),
+            pad_token_id=0,
+            eos_token_id=2,
+            bos_token_id=1,
+            **kw,
         )
     if arch == "gpt2":
         return GPT2Config(
-            vocab_size=vocab_size, n_embd=hidden_size, n_layer=num_layers, n_head=4, n_positions=512,
-            pad_token_id=0, eos_token_id=2, bos_token_id=1, **kw,
+            vocab_size=vocab_size,
+            n_embd=hidden_size,
+            n_layer=num_layers,
+            n_head=4,
+            n_positions=512,
+            pad_token_id=0,
+            eos_token_id=2,
+            bos_token_id=1,
+            **kw,
         )
     raise ValueError(f"unknown tiny architecture {arch!r}; use llama, qwen2 or gpt2")
 

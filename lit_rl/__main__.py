@@ -1,0 +1,3 @@
+from lit_rl.cli import main
+
+main()

@@ -1,0 +1,247 @@
+"""``PromptDataModule``: prompt batches (chat template applied, left-padded) plus the answers rewards need.
+
+The tokenizer (and, for density sampling, the policy model) are known only once the method has
+loaded them, so the method hands them over through :meth:`PromptDataModule.connect` in its
+``setup``; batches are tokenised in the collate function, after that call.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any, Literal
+
+import lightning as L
+import numpy as np
+import torch
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch.utils.data import DataLoader, Dataset
+
+from lit_rl.data.tasks import arithmetic_prompts, read_records
+
+
+class _Records(Dataset):
+    def __init__(self, records: list[dict[str, Any]]) -> None:
+        self.records = records
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return {**self.records[index], "index": index}
+
+
+class PromptDataModule(L.LightningDataModule):
+    """Prompts from the built-in arithmetic task or a local JSONL / Parquet file, sampled uniformly or by density.
+
+    Each batch is a dict: ``input_ids`` and ``attention_mask`` ``[B, P]`` (left-padded, so generation
+    continues every row at the same position), ``prompts`` (the templated strings), ``answers``,
+    ``index`` (dataset rows) and ``num_truncated`` (prompts cut to ``max_prompt_length``).
+
+    Args:
+        source: ``arithmetic`` for the generated task, or a path to a ``.jsonl`` / ``.parquet`` file.
+        prompt_field: column holding the prompt text (files only).
+        answer_field: column holding what reward functions compare against; ``null`` when no reward needs it.
+        num_prompts: how many arithmetic questions to generate.
+        difficulty: arithmetic difficulty, 1 (single-digit addition) to 5.
+        instruction: appended to every prompt (the arithmetic task asks for just the number).
+        system_prompt: optional system message.
+        batch_size: prompts per step; each is completed ``num_generations`` times by the method.
+        max_prompt_length: prompts longer than this many tokens are cut from the left (and counted in
+            ``prompts/truncated``) or rejected, see ``truncation``.
+        truncation: ``left`` or ``error``.
+        sampler: ``uniform``, or ``density`` to weight prompts by the inverse kNN density of their embeddings
+            (sparse regions of prompt space are drawn more often). Costs one no-grad pass of the policy
+            over every prompt at start-up (cached on disk with ``density_cache_dir``).
+        density_k: neighbours for the density estimate.
+        density_pooling: ``hidden`` (mean last hidden state, small) or ``logits`` (vocab-sized, the seed's choice).
+        density_backend: ``auto``, ``exact``, ``ivf`` or ``numpy``.
+        density_cache_dir: folder for the offline embedding cache (``lit-rl embed`` writes it).
+        seed: seeds the arithmetic generator and the sampling stream.
+        num_workers: DataLoader workers.
+    """
+
+    def __init__(
+        self,
+        source: str = "arithmetic",
+        prompt_field: str = "prompt",
+        answer_field: str | None = "answer",
+        num_prompts: int = 2000,
+        difficulty: int = 1,
+        instruction: str | None = "Answer with just the number.",
+        system_prompt: str | None = None,
+        batch_size: int = 4,
+        max_prompt_length: int = 256,
+        truncation: Literal["left", "error"] = "left",
+        sampler: Literal["uniform", "density"] = "uniform",
+        density_k: int = 10,
+        density_pooling: Literal["hidden", "logits"] = "hidden",
+        density_backend: Literal["auto", "exact", "ivf", "numpy"] = "auto",
+        density_cache_dir: str | None = None,
+        seed: int = 0,
+        num_workers: int = 0,
+    ) -> None:
+        super().__init__()
+        if batch_size < 1:
+            raise ValueError(f"data.batch_size must be >= 1, got {batch_size}")
+        if truncation not in ("left", "error"):
+            raise ValueError(f"data.truncation: {truncation!r} is not 'left' or 'error'")
+        if sampler not in ("uniform", "density"):
+            raise ValueError(f"data.sampler: {sampler!r} is not 'uniform' or 'density'")
+        self.save_hyperparameters()
+        self.records: list[dict[str, Any]] | None = None
+        self.tokenizer = None
+        self._embed_model: Callable[[], torch.nn.Module] | None = None
+        self._model_id = ""
+        self._sampler = None
+        self._sampler_state: dict[str, Any] | None = None
+        self.density_stats: dict[str, float] = {}
+        self.density_weights: np.ndarray | None = None
+
+    # ------------------------------------------------------------------ wiring
+    def connect(
+        self, tokenizer, *, embed_model: Callable[[], torch.nn.Module] | None = None, model_id: str = ""
+    ) -> None:
+        """Hand over what is known only after the method loaded its model.
+
+        Args:
+            tokenizer: the policy's tokenizer (left padding, pad token set).
+            embed_model: returns the policy model; called once, only when ``sampler: density``.
+            model_id: names the model in the embedding cache's metadata.
+        """
+        self.tokenizer = tokenizer
+        self._embed_model = embed_model
+        self._model_id = model_id
+
+    def prepare_records(self) -> list[dict[str, Any]]:
+        """Read or generate the prompt records (cached after the first call)."""
+        if self.records is None:
+            hp = self.hparams
+            if hp.source == "arithmetic":
+                self.records = arithmetic_prompts(hp.num_prompts, difficulty=hp.difficulty, seed=hp.seed)
+            else:
+                self.records = read_records(hp.source, prompt_field=hp.prompt_field, answer_field=hp.answer_field)
+        return self.records
+
+    def setup(self, stage: str) -> None:
+        self.prepare_records()
+
+    # ------------------------------------------------------------------ formatting
+    def format_prompt(self, prompt: str) -> str:
+        """The text the model sees: instruction appended, chat template applied when the tokenizer has one."""
+        hp = self.hparams
+        content = f"{prompt} {hp.instruction}" if hp.instruction else prompt
+        if getattr(self.tokenizer, "chat_template", None):
+            messages = [{"role": "system", "content": hp.system_prompt}] if hp.system_prompt else []
+            messages.append({"role": "user", "content": content})
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return f"{hp.system_prompt}\n\n{content}\n" if hp.system_prompt else f"{content}\n"
+
+    def collate(self, items: list[dict[str, Any]]) -> dict[str, Any]:
+        if self.tokenizer is None:
+            raise MisconfigurationException(
+                "PromptDataModule has no tokenizer: the method must call datamodule.connect(tokenizer) in its setup()"
+            )
+        prompts = [self.format_prompt(it["prompt"]) for it in items]
+        encoded = [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        limit, num_truncated = self.hparams.max_prompt_length, 0
+        for row, (ids, item) in enumerate(zip(encoded, items)):
+            if len(ids) > limit:
+                if self.hparams.truncation == "error":
+                    raise ValueError(
+                        f"prompt of dataset row {item['index'] + 1} has {len(ids)} tokens > data.max_prompt_length={limit}; "
+                        "raise max_prompt_length or set data.truncation: left"
+                    )
+                encoded[row] = ids[-limit:]  # keep the end: the question and the generation prompt
+                num_truncated += 1
+        width = max(len(ids) for ids in encoded)
+        pad = self.tokenizer.pad_token_id
+        input_ids = torch.full((len(encoded), width), pad, dtype=torch.long)  # [B, P]
+        attention_mask = torch.zeros((len(encoded), width), dtype=torch.long)  # [B, P]
+        for row, ids in enumerate(encoded):
+            input_ids[row, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
+            attention_mask[row, width - len(ids) :] = 1
+        return {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "prompts": prompts,
+            "answers": [it["answer"] for it in items],
+            "index": torch.tensor([it["index"] for it in items]),
+            "num_truncated": num_truncated,
+        }
+
+    # ------------------------------------------------------------------ sampling
+    def _build_sampler(self):
+        from lit_rl.data.sampler import WeightedStreamSampler
+
+        records = self.prepare_records()
+        weights = None
+        if self.hparams.sampler == "density":
+            weights = self._compute_density_weights(records)
+        sampler = WeightedStreamSampler(
+            weights if weights is not None else np.ones(len(records)) / len(records),
+            len(records),
+            seed=self.hparams.seed,
+        )
+        if self._sampler_state is not None:
+            sampler.load_state_dict(self._sampler_state)
+            self._sampler_state = None
+        return sampler
+
+    def _compute_density_weights(self, records: list[dict[str, Any]]) -> np.ndarray:
+        from lit_rl.data.density import density_weights_for
+
+        if self._embed_model is None or self.tokenizer is None:
+            raise MisconfigurationException(
+                "data.sampler: density needs the policy model; the method must call "
+                "datamodule.connect(tokenizer, embed_model=...) in its setup()"
+            )
+        hp = self.hparams
+        start = time.perf_counter()
+        weights, stats = density_weights_for(
+            [self.format_prompt(r["prompt"]) for r in records],
+            model=self._embed_model(),
+            tokenizer=self.tokenizer,
+            k=hp.density_k,
+            pooling=hp.density_pooling,
+            backend=hp.density_backend,
+            cache_dir=hp.density_cache_dir,
+            model_id=self._model_id,
+            max_length=hp.max_prompt_length,
+        )
+        self.density_stats = stats
+        self.density_weights = weights
+        rank_zero_info(
+            f"density sampling: {len(records)} prompts weighted in {time.perf_counter() - start:.1f}s, "
+            f"effective sample size {stats.get('density/ess', float('nan')):.3f} of N"
+        )
+        return weights
+
+    def train_dataloader(self) -> DataLoader:
+        if (
+            self.trainer is not None
+            and self.trainer.world_size > 1
+            and self.trainer._accelerator_connector.use_distributed_sampler
+        ):
+            rank_zero_warn(
+                "PromptDataModule shards its own sampling stream across ranks; set trainer.use_distributed_sampler: false "
+                "so Lightning does not wrap it a second time"
+            )
+        self._sampler = self._build_sampler()
+        return DataLoader(
+            _Records(self.prepare_records()),
+            batch_size=self.hparams.batch_size,
+            sampler=self._sampler,
+            collate_fn=self.collate,
+            num_workers=self.hparams.num_workers,
+            drop_last=True,
+        )
+
+    # ------------------------------------------------------------------ resume
+    def state_dict(self) -> dict[str, Any]:
+        """The sampler's position, so a resumed run continues the same prompt stream."""
+        return {"sampler": self._sampler.state_dict()} if self._sampler is not None else {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._sampler_state = state_dict.get("sampler")

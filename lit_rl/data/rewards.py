@@ -1,0 +1,85 @@
+"""Reward functions: plain callables, configured by import path, one float per completion.
+
+A reward function is called as ``fn(completions, answers=answers, prompts=prompts)`` with lists of
+equal length and returns a list (or 1-D tensor) of floats of that length. Write your own anywhere
+importable and name it in the config: ``reward_funcs: [my_pkg.rewards.exact_match]``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+RewardFn = Callable[..., Sequence[float]]
+
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def _last_number(text: str) -> float | None:
+    numbers = _NUMBER.findall(text.replace(",", ""))
+    return float(numbers[-1]) if numbers else None
+
+
+def correct_answer(completions: list[str], answers: list[Any], **_: Any) -> list[float]:
+    """1.0 when the last number in the completion equals the answer, else 0.0."""
+    rewards = []
+    for completion, answer in zip(completions, answers):
+        value = _last_number(completion)
+        try:
+            target = float(answer)
+        except (TypeError, ValueError):
+            target = _last_number(str(answer))
+        rewards.append(float(value is not None and target is not None and math.isclose(value, target)))
+    return rewards
+
+
+def number_only(completions: list[str], **_: Any) -> list[float]:
+    """1.0 when the completion is just a number (what the arithmetic prompt asks for), else 0.0."""
+    return [float(_NUMBER.fullmatch(c.strip().rstrip(".").replace(",", "")) is not None) for c in completions]
+
+
+def resolve_reward_fn(path: str, *, field: str = "reward_funcs") -> RewardFn:
+    """Import ``package.module.function`` (or ``package.module:function``) and check it is callable."""
+    module_name, _, attr = path.replace(":", ".").rpartition(".")
+    hint = "give a dotted path to a callable, e.g. lit_rl.data.rewards.correct_answer"
+    if not module_name:
+        raise ValueError(f"{field}: {path!r} is not an import path; {hint}")
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"{field}: cannot import {path!r} ({type(err).__name__}: {err}); {hint}") from err
+    if not callable(fn):
+        raise ValueError(f"{field}: {path!r} is a {type(fn).__name__}, not a callable; {hint}")
+    return fn
+
+
+def score(fn: RewardFn, name: str, completions: list[str], answers: list[Any], prompts: list[str]) -> torch.Tensor:
+    """Call one reward function and check what it returns: one finite float per completion.
+
+    Raises:
+        RuntimeError: the function raised; the message names it and the first sample.
+        ValueError: wrong length or a non-finite value; the message names the function and the sample.
+    """
+    try:
+        out = fn(completions, answers=answers, prompts=prompts)
+    except Exception as err:
+        raise RuntimeError(
+            f"reward function {name} raised {type(err).__name__}: {err} "
+            f"(first sample: prompt={prompts[0]!r}, completion={completions[0]!r})"
+        ) from err
+    rewards = torch.as_tensor(out, dtype=torch.float32).flatten()
+    if rewards.numel() != len(completions):
+        raise ValueError(f"reward function {name} returned {rewards.numel()} values for {len(completions)} completions")
+    bad = (~torch.isfinite(rewards)).nonzero().flatten()
+    if bad.numel():
+        i = int(bad[0])
+        raise ValueError(
+            f"reward function {name} returned {rewards[i].item()} for sample {i} "
+            f"(prompt={prompts[i]!r}, completion={completions[i]!r}); rewards must be finite"
+        )
+    return rewards

