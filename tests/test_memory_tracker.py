@@ -1,0 +1,143 @@
+"""TensorMemoryTracker: exact byte counts for allocations, frees, views, in-place ops, autograd and fake tensors."""
+
+import gc
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from lit_rl.memory.tracker import CATEGORIES, TensorMemoryTracker
+from lit_rl.testing import tiny_model
+
+
+def _param_bytes(module: torch.nn.Module) -> int:
+    storages = {id(p.untyped_storage()): p.untyped_storage().nbytes() for p in module.parameters()}
+    return sum(storages.values())
+
+
+def test_matmul_allocates_exactly_its_output():
+    a, b = torch.randn(64, 32), torch.randn(32, 16)
+    with TensorMemoryTracker() as t:
+        c = a @ b
+    assert t.current_bytes == 64 * 16 * 4
+    assert t.by_category()["activations"] == 64 * 16 * 4
+    del c
+
+
+def test_free_lowers_current_and_peak_is_the_max():
+    with TensorMemoryTracker() as t:
+        x = torch.empty(1000)  # 4000 B
+        y = torch.empty(500, dtype=torch.float64)  # 4000 B
+        assert t.current_bytes == 8000
+        del x
+        assert t.current_bytes == 4000
+        z = torch.empty(100, dtype=torch.int8)
+    assert t.current_bytes == 4100
+    assert t.peak_bytes == 8000
+    t.reset_peak()
+    assert t.peak_bytes == 4100
+    del y, z
+    gc.collect()
+    assert t.current_bytes == 0  # frees are counted after the tracker is exited too
+    assert t.peak_bytes == 4100
+
+
+def test_views_and_inplace_are_not_counted_again():
+    base = torch.randn(10, 10)  # pre-existing: not the tracker's business
+    with TensorMemoryTracker() as t:
+        base.add_(1)
+        v = base.view(100)
+        assert t.current_bytes == 0
+        c = base * 2  # 400 B
+        views = [c.t(), c[2:], c.view(-1), c.unsqueeze(0), c.detach()]
+        c.mul_(3).relu_()
+        assert t.current_bytes == 400
+        del c
+        assert t.current_bytes == 400  # the views keep the storage alive
+        del views
+        assert t.current_bytes == 0
+    del v
+
+
+def test_torch_tensor_literal_is_counted():
+    with TensorMemoryTracker() as t:
+        x = torch.tensor([1.0, 2.0, 3.0])
+    assert t.current_bytes == 12
+    del x
+
+
+def test_no_grad_and_autograd_unchanged():
+    torch.manual_seed(0)
+    w = torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(4, 8)
+    (x @ w).tanh().sum().backward()
+    expected = w.grad.clone()
+    w.grad = None
+    with TensorMemoryTracker() as t:
+        with torch.no_grad():
+            y = x @ w
+        assert not y.requires_grad
+        (x @ w).tanh().sum().backward()
+    torch.testing.assert_close(w.grad, expected)
+    assert t.peak_bytes > 0
+
+
+def test_module_and_optimizer_categories_are_exact():
+    model = tiny_model(num_layers=2)
+    opt = torch.optim.AdamW(model.parameters())
+    params = _param_bytes(model)
+    ids = torch.randint(0, 128, (2, 16))
+    t = TensorMemoryTracker().track(model).track(opt)
+    assert t.by_category()["parameters"] == params
+    with t:
+        loss = model(ids).logits.float().logsumexp(-1).mean()
+        assert t.by_category()["activations"] > 0
+        with t.category("temporaries"):
+            loss.backward()
+        del loss
+        assert t.by_category()["gradients"] == params  # one float32 grad per trainable parameter
+        assert t.by_category()["activations"] == 0  # the graph is freed after backward
+        opt.step()
+        opt.zero_grad()
+    cats = t.by_category()
+    assert cats["gradients"] == 0
+    n_params = len(list(model.parameters()))
+    assert cats["optimizer_state"] == 2 * params + 4 * n_params  # exp_avg, exp_avg_sq and a float32 step each
+    assert t.peak_bytes >= params * 2 + t.peak_by_category()["activations"]
+    assert set(t.peak_by_category()) == set(CATEGORIES)
+    t.close()
+
+
+def test_frozen_lora_base_weights_do_not_crash():
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(tiny_model(), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    trainable = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
+    t = TensorMemoryTracker().track(model)
+    with t:
+        model(torch.randint(0, 128, (2, 8))).logits.sum().backward()
+    assert t.by_category()["gradients"] == trainable
+    assert t.by_category()["parameters"] == _param_bytes(model)
+    t.close()
+
+
+def test_fake_tensors_are_counted_from_storage_size():
+    with FakeTensorMode():
+        a = torch.empty(1024, 1024)
+        with TensorMemoryTracker() as t:
+            b = a @ a
+            c = b.relu()
+            assert t.current_bytes == 2 * 1024 * 1024 * 4
+            del c
+            assert t.current_bytes == 1024 * 1024 * 4
+        del b
+
+
+def test_device_filter_and_bad_inputs():
+    with TensorMemoryTracker(device_type="cuda") as t:
+        x = torch.empty(100)
+    assert t.current_bytes == 0
+    with pytest.raises(ValueError, match="unknown memory category"):
+        TensorMemoryTracker(default_category="weights")
+    with pytest.raises(TypeError, match="cannot track"):
+        TensorMemoryTracker().track(3)
+    del x
