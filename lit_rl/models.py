@@ -83,10 +83,7 @@ def embedded_default_path() -> Path:
     rank_zero_info(f"lit-rl: converting {gguf.name} to safetensors in {target} (once; later runs load from there)")
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    # the weights are dequantised to float32 already; drop the GGUF marker so transformers will serialise them
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
+    _drop_gguf_marker(model)
     tmp = target.with_name(target.name + ".tmp")
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
@@ -94,6 +91,14 @@ def embedded_default_path() -> Path:
         shutil.rmtree(target)
     tmp.replace(target)
     return target
+
+
+def _drop_gguf_marker(model) -> None:
+    """transformers dequantises GGUF weights on load but keeps a quantizer marker that blocks
+    ``save_pretrained``; the weights are plain float tensors, so drop it."""
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
 
 
 def _require_gguf() -> None:
@@ -107,6 +112,8 @@ def _resolve(name_or_path: str, gguf_file: str | None) -> tuple[str, str | None]
         return str(embedded_default_path()), None
     path = Path(name_or_path).expanduser()
     if name_or_path.endswith(".gguf"):
+        if gguf_file is not None:
+            raise ValueError("model.gguf_file is set but model.name_or_path is already a .gguf file; set only one")
         if not path.is_file():
             raise FileNotFoundError(f"model.name_or_path: GGUF file {path} does not exist")
         _require_gguf()
@@ -183,6 +190,8 @@ def load_causal_lm(
         model = AutoModelForCausalLM.from_pretrained(
             path, gguf_file=gguf, dtype=torch_dtype, trust_remote_code=trust_remote_code
         )
+        if gguf is not None:
+            _drop_gguf_marker(model)
     _check_supported(model, name_or_path)
     if lora is not None:
         model = apply_lora(model, lora)
