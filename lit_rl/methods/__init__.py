@@ -2,5 +2,6 @@
 
 from lit_rl.methods.base import RLMethod
 from lit_rl.methods.grpo import RefCachedGRPO
+from lit_rl.methods.intuitor import Intuitor
 
-__all__ = ["RLMethod", "RefCachedGRPO"]
+__all__ = ["Intuitor", "RLMethod", "RefCachedGRPO"]

@@ -224,19 +224,21 @@ class RefCachedGRPO(RLMethod):
 
     def compute_rewards(self, completions: list[str], batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
         """Weighted sum of the reward functions ``[B*G]`` and per-function means."""
-        g = self.hparams.num_generations
-        answers = [a for a in batch["answers"] for _ in range(g)]
-        prompts = [p for p in batch["prompts"] for _ in range(g)]
-        per_fn = torch.stack(
-            [score(fn, name, completions, answers, prompts) for fn, name in zip(self.reward_fns, self.reward_names)],
-            dim=1,
-        )  # [B*G, F]
+        per_fn = self.score_functions(self.reward_fns, self.reward_names, completions, batch)  # [B*G, F]
         rewards = per_fn @ self.reward_weights.cpu()  # [B*G]
         means = {f"reward/{name}/mean": per_fn[:, i].mean().item() for i, name in enumerate(self.reward_names)}
         return rewards, means
 
+    def score_functions(self, fns, names, completions: list[str], batch: dict[str, Any]) -> torch.Tensor:
+        """Each function's scores, checked, as columns ``[B*G, F]`` (``F`` may be 0)."""
+        g = self.hparams.num_generations
+        answers = [a for a in batch["answers"] for _ in range(g)]
+        prompts = [p for p in batch["prompts"] for _ in range(g)]
+        columns = [score(fn, name, completions, answers, prompts) for fn, name in zip(fns, names)]
+        return torch.stack(columns, dim=1) if columns else torch.zeros(len(completions), 0)
+
     def rollout(self, batch: dict[str, Any]) -> tuple[Rollout, dict[str, float]]:
-        """Generate, score and compute advantages: phase ``rollout``."""
+        """Generate and score with the reward functions: phase ``rollout``."""
         hp = self.hparams
         with self.phases("rollout"):
             sequences, completion_mask = self.generate(batch["input_ids"], batch["attention_mask"])
@@ -249,7 +251,6 @@ class RefCachedGRPO(RLMethod):
             ]
             rewards, metrics = self.compute_rewards(completions, batch)
             rewards = rewards.to(self.device)
-            advantages = group_advantages(rewards, hp.num_generations, scale_rewards=hp.scale_rewards)  # [B*G]
             truncated = completion_mask[:, -1].bool() & ~self._ended_with_eos(completion_ids)  # [B*G]
             if hp.mask_truncated_completions:
                 completion_mask = completion_mask * (~truncated).float()[:, None]
@@ -257,9 +258,6 @@ class RefCachedGRPO(RLMethod):
             attention_mask = torch.cat([prompt_mask, torch.ones_like(completion_ids)], dim=1)  # [B*G, P + C]
         metrics.update(
             {
-                "reward/mean": rewards.mean().item(),
-                "reward/std": rewards.std().item(),
-                "frac_reward_zero_std": frac_zero_std(rewards, hp.num_generations),
                 "completions/mean_length": lengths.mean().item(),
                 "completions/clipped_ratio": truncated.float().mean().item(),
                 "prompts/truncated": float(batch.get("num_truncated", 0)),
@@ -271,10 +269,21 @@ class RefCachedGRPO(RLMethod):
             completion_mask=completion_mask,
             prompt_length=prompt_length,
             rewards=rewards,
-            advantages=advantages,
+            advantages=torch.zeros_like(rewards),
             completions=completions,
         )
         return rollout, metrics
+
+    def compute_advantages(self, rollout: Rollout) -> dict[str, float]:
+        """Group-relative advantages from ``rollout.rewards`` (after the scoring passes, which may add to them)."""
+        hp = self.hparams
+        rewards = rollout.rewards  # [B*G]
+        rollout.advantages = group_advantages(rewards, hp.num_generations, scale_rewards=hp.scale_rewards)  # [B*G]
+        return {
+            "reward/mean": rewards.mean().item(),
+            "reward/std": rewards.std().item(),
+            "frac_reward_zero_std": frac_zero_std(rewards, hp.num_generations),
+        }
 
     def _ended_with_eos(self, completion_ids: torch.Tensor) -> torch.Tensor:
         eos = torch.tensor(self._eos_ids(), device=completion_ids.device)
@@ -282,7 +291,7 @@ class RefCachedGRPO(RLMethod):
 
     # ------------------------------------------------------------------ cached passes
     @torch.no_grad()
-    def score_rollout(self, rollout: Rollout) -> None:
+    def score_rollout(self, rollout: Rollout) -> dict[str, float] | None:
         """Reference (and old-policy) log-probs, once per rollout batch: phase ``reference``."""
         hp = self.hparams
         if hp.beta == 0 and hp.num_iterations == 1:
@@ -300,11 +309,18 @@ class RefCachedGRPO(RLMethod):
         return self.reference
 
     def _micro_batched_logp(self, model, rollout: Rollout) -> torch.Tensor:
-        chunks = []
+        return self._micro_batched_stats(model, rollout)[0]
+
+    def _micro_batched_stats(
+        self, model, rollout: Rollout, *, self_certainty: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probs ``[B*G, C]`` (and per-token self-certainty) in micro-batches, without gradient."""
+        logps, certainties = [], []
         for sl in self._micro_batches(len(rollout)):
-            stats = self._stats(model, rollout, sl, entropy=False)
-            chunks.append(stats.logp)
-        return torch.cat(chunks)  # [B*G, C]
+            stats = self._stats(model, rollout, sl, entropy=False, self_certainty=self_certainty)
+            logps.append(stats.logp)
+            certainties.append(stats.self_certainty)
+        return torch.cat(logps), torch.cat(certainties) if self_certainty else None
 
     def _stats(self, model, rollout: Rollout, sl: slice, **kw):
         if isinstance(model, _AdapterDisabled):
@@ -364,7 +380,8 @@ class RefCachedGRPO(RLMethod):
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         hp = self.hparams
         rollout, metrics = self.rollout(batch)
-        self.score_rollout(rollout)
+        metrics.update(self.score_rollout(rollout) or {})
+        metrics.update(self.compute_advantages(rollout))
         # dapo: every completion token of the optimizer step weighs the same, across micro-batches and
         # ranks; DDP averages gradients over ranks, hence the division by world_size
         tokens = self.trainer.strategy.reduce(rollout.completion_mask.sum(), reduce_op="sum")
