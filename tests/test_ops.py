@@ -370,3 +370,24 @@ def test_gumbel_topk_gradcheck(k):
         return gumbel_softmax_topk(x, 0.8, k, generator=torch.Generator().manual_seed(2))[0]
 
     assert torch.autograd.gradcheck(fn, (logits,))
+
+
+@pytest.mark.parametrize("need_weight_grad", [False, True])
+def test_at_most_two_logits_blocks_are_alive_at_once(need_weight_grad):
+    from lit_rl.memory.tracker import TensorMemoryTracker
+
+    n, h, v, tc, vc = 512, 16, 4096, 128, 1024
+    hidden = torch.randn(n, h, requires_grad=True)
+    weight = torch.randn(v, h, requires_grad=need_weight_grad)
+    targets = torch.randint(0, v, (n,))
+    block = tc * vc * 4  # one float32 logits block
+    with TensorMemoryTracker() as tracker:
+        out = token_stats(hidden, weight, targets, chunk_size=tc, _vocab_chunk=vc, entropy=True)
+        forward_peak = tracker.peak_bytes
+        tracker.reset_peak()
+        out.logp.sum().backward()
+        backward_peak = tracker.peak_bytes
+    small = 64 * n * 4  # the per-token [N] accumulators and outputs
+    assert forward_peak <= 2 * block + small, forward_peak / block
+    grads = hidden.numel() * 4 + (weight.numel() * 4 if need_weight_grad else 0)
+    assert backward_peak <= 3 * block + grads + small, backward_peak / block

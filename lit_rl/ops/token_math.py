@@ -123,7 +123,7 @@ class _TokenStatsFn(torch.autograd.Function):
                     m_old = m[t0:t1]
                     m_new = torch.maximum(m_old, z.amax(dim=-1))  # [tc]
                     scale = torch.exp(m_old - m_new)  # [tc], 0 on the first block
-                    e = torch.exp(z - m_new[:, None])  # [tc, vc]
+                    e = (z - m_new[:, None]).exp_()  # [tc, vc], in place: no third block
                     s[t0:t1] = s[t0:t1] * scale + e.sum(dim=-1)
                     if ez is not None:
                         ez[t0:t1] = ez[t0:t1] * scale + e.mul_(z).sum(dim=-1)
@@ -133,6 +133,7 @@ class _TokenStatsFn(torch.autograd.Function):
                         local, inside = _local_targets(targets[t0:t1], v0, v1)  # [tc, 1], [tc]
                         sel[t0:t1] += torch.where(inside, z.gather(1, local).squeeze(1), 0.0)
                     m[t0:t1] = m_new
+                    del z, e  # free this block before the next is allocated: two blocks live at most
 
         lse = m + torch.log(s)  # [N]
         logp = sel - lse if sel is not None else None  # [N]
@@ -178,7 +179,7 @@ class _TokenStatsFn(torch.autograd.Function):
         def block_grad(t0: int, t1: int, v0: int, v1: int, h: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
             """d(loss)/d(logits before temperature) for one block."""
             z = _block_logits(h, w, b, temperature)  # [tc, vc]
-            p = torch.exp(z - lse[t0:t1, None])  # [tc, vc]
+            p = (z - lse[t0:t1, None]).exp_()  # [tc, vc]
             if g_ent is not None:
                 dz = z.sub_(shift[t0:t1, None]).mul_(-g_ent[t0:t1, None]).add_(a[t0:t1, None]).mul_(p)  # [tc, vc]
             else:
@@ -197,14 +198,16 @@ class _TokenStatsFn(torch.autograd.Function):
         with torch.autocast(dev.type, enabled=False):
             if need_w:
                 # vocabulary blocks outside: each weight block's gradient is summed in float32 once
-                grad_w = torch.empty_like(weight)
+                # a float32 weight accumulates straight into its gradient; others through a float32 block
+                direct = weight.dtype == cdtype
+                grad_w = torch.zeros_like(weight) if direct else torch.empty_like(weight)
                 gh = torch.zeros(n, hidden.shape[1], dtype=cdtype, device=dev) if need_h else None  # [N, H]
                 gb = torch.zeros(v, dtype=cdtype, device=dev) if need_b else None  # [V]
                 for v0 in range(0, v, vc):
                     v1 = min(v, v0 + vc)
                     w = weight[v0:v1].to(cdtype)  # [vc, H]
                     b = bias[v0:v1].to(cdtype) if bias is not None else None  # [vc]
-                    gw = torch.zeros_like(w)  # [vc, H]
+                    gw = grad_w[v0:v1] if direct else torch.zeros_like(w)  # [vc, H]
                     for t0 in range(0, n, tc):
                         t1 = min(n, t0 + tc)
                         h = hidden[t0:t1].to(cdtype)  # [tc, H]
@@ -214,7 +217,9 @@ class _TokenStatsFn(torch.autograd.Function):
                             gh[t0:t1].addmm_(dz, w)
                         if gb is not None:
                             gb[v0:v1] += dz.sum(dim=0)
-                    grad_w[v0:v1] = gw
+                        del dz
+                    if not direct:
+                        grad_w[v0:v1] = gw
             else:
                 # token blocks outside: only a [tc, H] float32 accumulator for the hidden gradient
                 gh = torch.empty(n, hidden.shape[1], dtype=hidden.dtype, device=dev) if need_h else None  # [N, H]
@@ -232,6 +237,7 @@ class _TokenStatsFn(torch.autograd.Function):
                             acc.addmm_(dz, w)
                         if gb is not None:
                             gb[v0:v1] += dz.sum(dim=0)
+                        del dz
                     if gh is not None:
                         gh[t0:t1] = acc
             if need_h:
