@@ -437,3 +437,21 @@ def test_fragments_compose(tmp_path):
     for f in fragments:
         text = f.read_text()
         assert text.startswith("#") and f"lit-rl fit --config configs/grpo.yaml --config callbacks/{f.name}" in text
+
+
+def test_profiler_on_grpo_logs_prediction_and_counts_the_frozen_reference(capture_logger):
+    from lit_rl.data import PromptDataModule
+    from lit_rl.methods import RefCachedGRPO
+
+    method = RefCachedGRPO(name_or_path="tiny:llama", num_generations=2, max_new_tokens=4, beta=0.1)
+    trainer = Trainer(
+        max_steps=1, logger=capture_logger, callbacks=[MemoryProfiler()], enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
+    )  # fmt: skip
+    trainer.fit(method, PromptDataModule(num_prompts=4, batch_size=1, max_prompt_length=64))
+    logged = capture_logger.metrics
+    weights = sum(p.numel() * p.element_size() for p in method.policy.parameters())
+    measured = logged["memory/rollout/peak_gib"][0][1] * 2**30
+    assert measured >= 2 * weights, "policy + frozen reference copy are both resident"
+    predicted = logged["memory/rollout/predicted_gib"][0][1] * 2**30
+    assert predicted >= measured * 0.9, "the prediction pads to max_prompt_length: an upper bound"

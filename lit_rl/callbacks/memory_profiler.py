@@ -86,6 +86,9 @@ class MemoryProfiler(Callback):
             training and save it as ``memory_snapshot.pickle``; it costs host memory and some speed while
             recording. Ignored, with a warning, without CUDA.
         track_tensors: use exact tensor accounting off CUDA; ``False`` logs RSS only (full speed).
+        predict: at the start of training, run the estimator (:mod:`lit_rl.memory.estimate`, fake tensors, a
+            few seconds) so ``memory/<phase>/predicted_gib`` is logged beside the measurement. It pads every
+            prompt to ``data.max_prompt_length`` and assumes full-length completions: an upper bound.
 
     Raises:
         MisconfigurationException:
@@ -101,7 +104,9 @@ class MemoryProfiler(Callback):
               init_args: {every_n_steps: 1}
     """
 
-    def __init__(self, every_n_steps: int = 1, cuda_snapshot_steps: int = 0, track_tensors: bool = True) -> None:
+    def __init__(
+        self, every_n_steps: int = 1, cuda_snapshot_steps: int = 0, track_tensors: bool = True, predict: bool = True
+    ) -> None:
         if every_n_steps < 1:
             raise MisconfigurationException(f"MemoryProfiler(every_n_steps={every_n_steps}): use 1 or more.")
         if cuda_snapshot_steps < 0:
@@ -111,6 +116,7 @@ class MemoryProfiler(Callback):
         self.every_n_steps = every_n_steps
         self.cuda_snapshot_steps = cuda_snapshot_steps
         self.track_tensors = track_tensors
+        self.predict = predict
         self._records: list[dict[str, Any]] = []
         self._record: dict[str, Any] | None = None
         self._stack: list[dict[str, Any]] = []
@@ -168,6 +174,8 @@ class MemoryProfiler(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.predict and getattr(pl_module, "predicted_memory", None) is None:
+            self._predict(trainer, pl_module)
         if self.cuda_snapshot_steps and self._device.type == "cuda" and not self._snapshot_path:
             torch.cuda.memory._record_memory_history(max_entries=100_000)
             self._snapshot_recording = True
@@ -291,6 +299,9 @@ class MemoryProfiler(Callback):
     def _open_tracker(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         try:
             self._tracker = TensorMemoryTracker().track(pl_module)
+            # the full fine-tuning reference is kept out of the module tree (and the checkpoint): count it too
+            if getattr(pl_module, "reference", None) is not None:
+                self._tracker.track(pl_module.reference)
             for optimizer in trainer.optimizers:
                 self._tracker.track(optimizer)
         except Exception as err:  # tracking is a measurement: it must never stop training
@@ -359,6 +370,14 @@ class MemoryProfiler(Callback):
         metrics = self._metrics(record)
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
+
+    def _predict(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        try:
+            from lit_rl.memory.estimate import estimate_for_trainer
+
+            pl_module.predicted_memory = estimate_for_trainer(trainer, pl_module).phases
+        except Exception as err:  # a prediction is a convenience: it must never stop training
+            rank_zero_warn(f"MemoryProfiler: no memory prediction for this run ({type(err).__name__}: {err})")
 
     def _read_predicted(self, pl_module: pl.LightningModule) -> None:
         predicted = getattr(pl_module, "predicted_memory", None) or {}

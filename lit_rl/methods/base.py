@@ -50,6 +50,8 @@ class RLMethod(L.LightningModule):
         max_grad_norm: float = 1.0,
     ) -> None:
         super().__init__()
+        if isinstance(lora, dict):  # hparams saved in a checkpoint hold the dataclass as a dict
+            lora = LoraSettings(**lora)
         self.automatic_optimization = False
         self.phases = PhaseTracker()
         self.policy: torch.nn.Module | None = None
@@ -137,6 +139,12 @@ class RLMethod(L.LightningModule):
             entropy=entropy,
             self_certainty=self_certainty,
         )
+
+    def estimate_savings(self) -> dict[str, int]:
+        """Predicted bytes each memory tactic would save on this run (the OOM report names them)."""
+        from lit_rl.memory.estimate import estimate_savings, trainer_settings
+
+        return estimate_savings(self, **trainer_settings(self.trainer))
 
     def log_phase_times(self, batch_size: int) -> None:
         times = {f"time/{name}_s": seconds for name, seconds in self.phases.pop_times().items()}

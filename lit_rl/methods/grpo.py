@@ -225,7 +225,7 @@ class RefCachedGRPO(RLMethod):
     def compute_rewards(self, completions: list[str], batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
         """Weighted sum of the reward functions ``[B*G]`` and per-function means."""
         per_fn = self.score_functions(self.reward_fns, self.reward_names, completions, batch)  # [B*G, F]
-        rewards = per_fn @ self.reward_weights.cpu()  # [B*G]
+        rewards = per_fn @ self.reward_weights.float().cpu()  # [B*G]; bf16-true casts buffers, rewards stay float32
         means = {f"reward/{name}/mean": per_fn[:, i].mean().item() for i, name in enumerate(self.reward_names)}
         return rewards, means
 
