@@ -228,3 +228,14 @@ def test_reward_function_error_names_function_and_sample():
         RuntimeError, match=r"reward function raises raised ZeroDivisionError: bad reward \(first sample"
     ):
         _trainer().fit(_method(reward_funcs=["test_grpo.raises"]), _data())
+
+
+def test_bf16_true_trains_and_keeps_log_prob_math_in_float32():
+    method = _method(beta=0.1)
+    trainer = _trainer(precision="bf16-true")
+    trainer.fit(method, _data())
+    assert trainer.global_step == 1
+    assert next(method.policy.parameters()).dtype == torch.bfloat16
+    ids = torch.randint(3, 90, (2, 8))
+    stats = method.completion_stats(method.policy, ids, torch.ones_like(ids), 5, temperature=1.0)
+    assert stats.logp.dtype == torch.float32 and stats.entropy.dtype == torch.float32
