@@ -439,16 +439,17 @@ def test_fragments_compose(tmp_path):
         assert text.startswith("#") and f"lit-rl fit --config configs/grpo.yaml --config callbacks/{f.name}" in text
 
 
-def test_profiler_on_grpo_logs_prediction_and_counts_the_frozen_reference(capture_logger):
+def test_profiler_on_grpo_logs_prediction_and_counts_the_frozen_reference(capture_logger, tmp_path):
     from lit_rl.data import PromptDataModule
     from lit_rl.methods import RefCachedGRPO
 
     method = RefCachedGRPO(name_or_path="tiny:llama", num_generations=2, max_new_tokens=4, beta=0.1)
     trainer = Trainer(
         max_steps=1, logger=capture_logger, callbacks=[MemoryProfiler()], enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
+        enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1, default_root_dir=tmp_path,
     )  # fmt: skip
     trainer.fit(method, PromptDataModule(num_prompts=4, batch_size=1, max_prompt_length=64))
+    assert (tmp_path / "memory_summary.json").exists()
     logged = capture_logger.metrics
     weights = sum(p.numel() * p.element_size() for p in method.policy.parameters())
     measured = logged["memory/rollout/peak_gib"][0][1] * 2**30
