@@ -40,3 +40,27 @@ def test_bad_value_fails_before_training():
         LitRLCLI(
             args=["--config", str(ROOT / "configs/grpo_tiny.yaml"), "--model.init_args.num_generations", "1"], run=False
         )
+
+
+def test_embed_writes_the_cache_that_training_reuses_and_refuses_when_stale(tmp_path, monkeypatch):
+    import json
+
+    import lit_rl.data.density as density
+
+    cache = tmp_path / "emb"
+    data = ["--data.init_args.sampler", "density", "--data.init_args.density_cache_dir", str(cache),
+            "--data.init_args.density_k", "3", "--data.init_args.num_prompts", "24"]  # fmt: skip
+    main(["embed", "--config", str(ROOT / "configs/grpo_tiny.yaml"), *data])
+    meta = json.loads((cache / "embeddings.json").read_text())
+    assert meta["count"] == 24 and meta["pooling"] == "hidden" and (cache / "embeddings.npy").exists()
+
+    def no_embedding(*args, **kwargs):
+        raise AssertionError("the cached embeddings should have been reused")
+
+    monkeypatch.setattr(density, "embed_prompts", no_embedding)
+    fit = ["fit", "--config", str(ROOT / "configs/grpo_tiny.yaml"), *data, "--trainer.max_steps", "1",
+           "--trainer.logger.init_args.save_dir", str(tmp_path), "--trainer.enable_progress_bar", "false"]  # fmt: skip
+    cli = LitRLCLI(args=fit)
+    assert cli.trainer.global_step == 1 and cli.datamodule.density_weights.shape == (24,)
+    with pytest.raises(ValueError, match="lit-rl embed"):  # other prompts, same cache: stale, and says how to fix
+        LitRLCLI(args=[*fit, "--data.init_args.difficulty", "3"])

@@ -23,12 +23,13 @@ def _tiny_overrides(config: Path, tmp_path: Path) -> list[str]:
         "--trainer.enable_progress_bar", "false", "--trainer.enable_checkpointing", "false",
         "--trainer.logger.init_args.save_dir", str(tmp_path),
         "--data.init_args.batch_size", "2",
+        "--data.init_args.density_cache_dir", str(tmp_path / "embeddings"),
     ]  # fmt: skip
 
 
 def test_there_is_a_config_per_method():
     names = {c.stem for c in CONFIGS}
-    assert {"grpo", "grpo_tiny", "grpo_lora"} <= names
+    assert {"grpo", "grpo_tiny", "grpo_lora", "grpo_density", "intuitor", "intuitor_tiny"} <= names
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)

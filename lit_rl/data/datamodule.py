@@ -212,11 +212,22 @@ class PromptDataModule(L.LightningDataModule):
         )
         self.density_stats = stats
         self.density_weights = weights
+        self._log_density(weights, stats)
         rank_zero_info(
             f"density sampling: {len(records)} prompts weighted in {time.perf_counter() - start:.1f}s, "
             f"effective sample size {stats.get('density/ess', float('nan')):.3f} of N"
         )
         return weights
+
+    def _log_density(self, weights: np.ndarray, stats: dict[str, float]) -> None:
+        """Once at setup: the stage statistics as scalars and the weights as a TensorBoard histogram."""
+        logger = self.trainer.logger if self.trainer is not None else None
+        if logger is None:
+            return
+        logger.log_metrics({k: float(v) for k, v in stats.items()}, step=0)
+        experiment = getattr(logger, "experiment", None)
+        if hasattr(experiment, "add_histogram"):
+            experiment.add_histogram("density/weights", weights * len(weights), global_step=0)  # 1 = uniform
 
     def train_dataloader(self) -> DataLoader:
         if (
