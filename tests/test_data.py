@@ -131,3 +131,38 @@ def test_reward_outputs_are_checked():
         score(lambda completions, **_: [1.0], "short", c, a, p)
     with pytest.raises(ValueError, match=r"returned nan for sample 1 \(prompt='p2'"):
         score(lambda completions, **_: [1.0, float("nan")], "nan", c, a, p)
+
+
+def test_resumed_run_continues_the_same_prompt_stream(tmp_path):
+    import lightning as L
+    from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+    from lit_rl.methods import RefCachedGRPO
+
+    class Seen(Callback):
+        def __init__(self):
+            self.indices = []
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.indices.append(batch["index"].tolist())
+
+    def run(steps, ckpt=None, save=False):
+        seen = Seen()
+        every_two = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1, filename="{step}")
+        callbacks = [seen] + ([every_two] if save else [])
+        trainer = L.Trainer(
+            max_steps=steps,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=callbacks,
+            enable_checkpointing=save,
+            default_root_dir=tmp_path,
+        )
+        method = RefCachedGRPO(name_or_path="tiny:llama", num_generations=2, max_new_tokens=3, beta=0.0)
+        trainer.fit(method, PromptDataModule(num_prompts=40, batch_size=2, sampler="uniform"), ckpt_path=ckpt)
+        return seen.indices
+
+    straight = run(6, save=True)  # checkpoints mid-epoch at steps 2, 4, 6
+    resumed = run(6, ckpt=str(tmp_path / "step=2.ckpt"))
+    assert resumed == straight[2:]

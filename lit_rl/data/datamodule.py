@@ -251,8 +251,22 @@ class PromptDataModule(L.LightningDataModule):
 
     # ------------------------------------------------------------------ resume
     def state_dict(self) -> dict[str, Any]:
-        """The sampler's position, so a resumed run continues the same prompt stream."""
-        return {"sampler": self._sampler.state_dict()} if self._sampler is not None else {}
+        """Where the prompt stream stands, so a resumed run continues it.
+
+        The position comes from the training loop's progress, not from the sampler: with DataLoader
+        workers the sampler has already yielded prefetched batches that never trained.
+        """
+        if self._sampler is None:
+            return {}
+        if self.trainer is None:
+            return {"sampler": self._sampler.state_dict()}
+        from lit_rl.data.sampler import trained_position
+
+        epoch, position = trained_position(self.trainer, self.hparams.batch_size)
+        return {"sampler": self._sampler.state_dict(epoch=epoch, position=position)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._sampler_state = state_dict.get("sampler")
+        if self._sampler is not None and self._sampler_state is not None:  # a live sampler follows the restore
+            self._sampler.load_state_dict(self._sampler_state)
+            self._sampler_state = None
