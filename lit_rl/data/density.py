@@ -42,6 +42,8 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from lit_rl.models import base_model
+
 __all__ = [
     "EmbeddingCache",
     "StaleEmbeddingCacheError",
@@ -136,12 +138,6 @@ def peak_rss_stage() -> Iterator[StageStats]:
 # ----------------------------------------------------------------------------------------------
 # embeddings
 # ----------------------------------------------------------------------------------------------
-
-
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    # a peft PeftModel forwards to the causal LM it wraps; the adapters stay active
-    get_base = getattr(model, "get_base_model", None)
-    return get_base() if callable(get_base) else model
 
 
 def _trunk(model: torch.nn.Module) -> torch.nn.Module | None:
@@ -265,7 +261,7 @@ def embed_prompts(
     if n == 0:
         raise ValueError("embed_prompts got no texts")
     np_dtype = _DTYPES[dtype]
-    model = _unwrap(model)
+    model = base_model(model)  # a peft PeftModel forwards to the causal LM it wraps; adapters stay active
     device = next(model.parameters()).device
     order = sorted(range(n), key=lambda i: len(texts[i])) if sort_by_length else list(range(n))
 
@@ -800,7 +796,7 @@ def embedding_metadata(
 def _model_id(model: torch.nn.Module, model_id: str) -> str:
     if model_id:
         return model_id
-    config = getattr(_unwrap(model), "config", None)
+    config = getattr(base_model(model), "config", None)
     return str(getattr(config, "_name_or_path", "") or "")
 
 
