@@ -248,7 +248,7 @@ def model_config_for(
     """
     from transformers import AutoConfig, PretrainedConfig
 
-    from lit_rl.models import EMBEDDED, EMBEDDED_NAME, TINY_PREFIX, _resolve, cache_dir
+    from lit_rl.models import EMBEDDED, EMBEDDED_NAME, TINY_PREFIX, cache_dir, resolve_source
 
     source = name_or_path if model_config is None else model_config
     if isinstance(source, PretrainedConfig):
@@ -275,7 +275,7 @@ def model_config_for(
     try:
         if model_config is not None:
             return AutoConfig.from_pretrained(Path(source).expanduser(), trust_remote_code=trust_remote_code)
-        path, gguf = _resolve(source, gguf_file)
+        path, gguf = resolve_source(source, gguf_file)
         return AutoConfig.from_pretrained(path, gguf_file=gguf, trust_remote_code=trust_remote_code)
     except Exception as err:  # a hub id without network, a folder without config.json, ...
         raise ValueError(
@@ -285,11 +285,11 @@ def model_config_for(
 
 
 def _weight_dtype(dtype: str, config) -> torch.dtype:
-    from lit_rl.models import _DTYPES
+    from lit_rl.models import DTYPES
 
-    if dtype not in _DTYPES:
-        raise ValueError(f"model.dtype: {dtype!r} is not one of {sorted(_DTYPES)}")
-    resolved = _DTYPES[dtype]
+    if dtype not in DTYPES:
+        raise ValueError(f"model.dtype: {dtype!r} is not one of {sorted(DTYPES)}")
+    resolved = DTYPES[dtype]
     if resolved == "auto":
         resolved = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
         if isinstance(resolved, str):
@@ -613,12 +613,12 @@ def _build_model(config, dtype: torch.dtype, lora, *, name: str):
     """The causal LM on the meta device, with LoRA adapters as :func:`lit_rl.models.load_causal_lm` adds them."""
     from transformers import AutoModelForCausalLM
 
-    from lit_rl.models import _check_supported, apply_lora
+    from lit_rl.models import apply_lora, check_supported
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(copy.deepcopy(config))
     model.to(dtype)
-    _check_supported(model, name)
+    check_supported(model, name)
     if lora is not None:
         model = apply_lora(model, lora)
     return model

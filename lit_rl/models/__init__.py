@@ -1,0 +1,44 @@
+"""Loading policy, reference and reward models; the trunk and LM-head lookup the logits-free ops rely on.
+
+See :mod:`lit_rl.models.loading` for what ``name_or_path`` accepts.
+"""
+
+from lit_rl.models.loading import (
+    DTYPES,
+    EMBEDDED,
+    EMBEDDED_NAME,
+    EMBEDDED_PACKAGE,
+    TINY_PREFIX,
+    LoraSettings,
+    apply_lora,
+    base_model,
+    cache_dir,
+    check_supported,
+    embedded_default_path,
+    embedded_gguf_path,
+    lm_head,
+    load_causal_lm,
+    load_tokenizer,
+    resolve_source,
+    trunk,
+)
+
+__all__ = [
+    "DTYPES",
+    "EMBEDDED",
+    "EMBEDDED_NAME",
+    "EMBEDDED_PACKAGE",
+    "TINY_PREFIX",
+    "LoraSettings",
+    "apply_lora",
+    "base_model",
+    "cache_dir",
+    "check_supported",
+    "embedded_default_path",
+    "embedded_gguf_path",
+    "lm_head",
+    "load_causal_lm",
+    "load_tokenizer",
+    "resolve_source",
+    "trunk",
+]
