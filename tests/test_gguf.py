@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 import torch
 
-from lit_rl import models
 from lit_rl.models import load_causal_lm
 from lit_rl.testing import tiny_model
 
@@ -138,7 +137,7 @@ def test_gguf_without_gguf_package_names_pip_install(tmp_path, monkeypatch):
     def find_spec(name, *args, **kwargs):
         return None if name == "gguf" else real_find_spec(name, *args, **kwargs)
 
-    monkeypatch.setattr(models.importlib.util, "find_spec", find_spec)
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
     with pytest.raises(ImportError, match="pip install gguf"):
         load_causal_lm(str(path))
     with pytest.raises(ImportError, match="pip install gguf"):
