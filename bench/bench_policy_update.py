@@ -69,7 +69,7 @@ from lit_rl.losses import group_advantages, grpo_loss, masked_mean  # noqa: E402
 from lit_rl.memory.tracker import TensorMemoryTracker  # noqa: E402
 from lit_rl.methods.base import RLMethod  # noqa: E402
 from lit_rl.models import lm_head  # noqa: E402
-from lit_rl.ops.token_math import _LOGITS_BUDGET_BYTES, _plan_chunks  # noqa: E402
+from lit_rl.ops.token_math import LOGITS_BUDGET_BYTES, plan_chunks  # noqa: E402
 
 MIB = 2**20
 QWEN_VOCAB = 151_936
@@ -469,7 +469,7 @@ def describe(cfg: BenchConfig) -> list[str]:
     n_tok = cfg.batch * cfg.completion_len
     plans = []
     for v in cfg.vocabs:
-        tc, vc = _plan_chunks(n_tok, v, cfg.hidden, cfg.chunk_size, None, _LOGITS_BUDGET_BYTES)
+        tc, vc = plan_chunks(n_tok, v, cfg.hidden, cfg.chunk_size, None, LOGITS_BUDGET_BYTES)
         plans.append(f"V={v:,}: {tc} tokens x {vc:,} vocab rows ({tc * vc * 4 / MIB:.1f} MiB float32 block)")
     chunk = "auto (64 MiB float32 logits-block budget)" if cfg.chunk_size is None else f"{cfg.chunk_size} tokens"
     return [

@@ -258,7 +258,7 @@ class _LargeOutputs(TorchDispatchMode):
 def test_logits_blocks_stay_within_budget(monkeypatch):
     b, t, h, v = 2, 32, 8, 3072  # N * V = 196608 elements
     budget_bytes = 16 * 1024  # 4096 float32 elements
-    monkeypatch.setattr(token_math, "_LOGITS_BUDGET_BYTES", budget_bytes)
+    monkeypatch.setattr(token_math, "LOGITS_BUDGET_BYTES", budget_bytes)
     hidden, weight, targets, _ = _inputs(b=b, t=t, h=h, v=v, dtype=torch.bfloat16)
     h64, w64 = _leaf64(hidden), _leaf64(weight)
     with _LargeOutputs(budget_bytes // 4) as mode:
@@ -274,11 +274,11 @@ def test_logits_blocks_stay_within_budget(monkeypatch):
 
 @pytest.mark.parametrize(("n", "v", "h"), [(8192, 151936, 4096), (8192, 49152, 576), (21, 101, 13)])
 def test_automatic_plan_respects_the_budget(n, v, h):
-    budget = token_math._LOGITS_BUDGET_BYTES
-    tc, vc = token_math._plan_chunks(n, v, h, None, None, budget)
+    budget = token_math.LOGITS_BUDGET_BYTES
+    tc, vc = token_math.plan_chunks(n, v, h, None, None, budget)
     assert 1 <= tc <= n and 1 <= vc <= v
     assert tc * vc * 4 <= budget and vc * h * 4 <= budget and tc * h * 4 <= budget
-    tc, vc = token_math._plan_chunks(n, v, h, 512, None, budget)
+    tc, vc = token_math.plan_chunks(n, v, h, 512, None, budget)
     assert tc == min(n, 512) and tc * vc * 4 <= budget
 
 

@@ -14,7 +14,7 @@ per-token entropy ``[N]`` (both float32, ``N = B * T``). Nothing of size ``V`` p
 backward recomputes each block of logits and turns it into gradients straight away.
 
 Memory bound (beyond inputs and outputs): one float32 logits block ``[tokens, vocab]`` of at most
-``_LOGITS_BUDGET_BYTES`` (64 MiB), about two such blocks live at a time, plus float32 copies of one
+``LOGITS_BUDGET_BYTES`` (64 MiB), about two such blocks live at a time, plus float32 copies of one
 hidden chunk and one weight chunk when the inputs are bf16/fp16 (the automatic plan keeps those
 within the budget too). Backward adds one float32 gradient accumulator: ``[N, H]`` for the hidden
 states when the weight needs a gradient (loop over vocabulary blocks outside, so each weight
@@ -36,8 +36,8 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-# Byte budget of one float32 logits block when the chunk sizes are chosen automatically.
-_LOGITS_BUDGET_BYTES = 64 * 2**20
+# Byte budget of one float32 logits block when the chunk sizes are chosen automatically (read at each call).
+LOGITS_BUDGET_BYTES = 64 * 2**20
 
 
 class TokenStats(NamedTuple):
@@ -54,13 +54,28 @@ class TokenStats(NamedTuple):
     self_certainty: Tensor | None
 
 
-def _plan_chunks(
+def plan_chunks(
     n: int, v: int, h: int, chunk_size: int | None, vocab_chunk: int | None, budget_bytes: int
 ) -> tuple[int, int]:
     """Token and vocabulary block sizes so that one float32 logits block stays within ``budget_bytes``.
 
     With nothing given, the vocabulary block is bounded so that a float32 copy of the weight rows
     ``[vc, H]`` also fits, the blocks are evened out, and the token block fills the rest of the budget.
+
+    Args:
+        n: number of tokens (rows of the flattened hidden states).
+        v: vocabulary size (rows of the LM-head weight).
+        h: hidden size.
+        chunk_size: tokens per block, or ``None`` to choose it from the budget.
+        vocab_chunk: vocabulary rows per block, or ``None`` to choose it from the budget.
+        budget_bytes: byte budget of one float32 ``[tokens, vocab]`` block (``LOGITS_BUDGET_BYTES`` by default
+            in the ops).
+
+    Returns:
+        ``(tc, vc)``: tokens and vocabulary rows per block, each at least 1.
+
+    Raises:
+        ValueError: if ``chunk_size`` or ``vocab_chunk`` is given and not positive.
     """
     budget = max(1, budget_bytes // 4)  # float32 elements
     if chunk_size is not None and chunk_size < 1:
@@ -77,8 +92,18 @@ def _plan_chunks(
     return max(1, min(n, tc)), max(1, vc)
 
 
-def _block_logits(h: Tensor, w: Tensor, b: Tensor | None, temperature: float) -> Tensor:
-    """Float32 logits of one block; ``h`` and ``w`` are already in the compute dtype."""
+def block_logits(h: Tensor, w: Tensor, b: Tensor | None, temperature: float) -> Tensor:
+    """Float32 logits ``(h @ w.T + b) / temperature`` of one block; ``h`` and ``w`` are already in the compute dtype.
+
+    Args:
+        h: hidden rows of the block ``[tc, H]``.
+        w: LM-head weight rows of the block ``[vc, H]``.
+        b: bias entries of the block ``[vc]``, or ``None``.
+        temperature: logits are divided by it.
+
+    Returns:
+        The ``[tc, vc]`` logits block (a new tensor: callers may modify it in place).
+    """
     z = h @ w.T  # [tc, vc]
     if b is not None:
         z += b
@@ -119,7 +144,7 @@ class _TokenStatsFn(torch.autograd.Function):
                 b = bias[v0:v1].to(cdtype) if bias is not None else None  # [vc]
                 for t0 in range(0, n, tc):
                     t1 = min(n, t0 + tc)
-                    z = _block_logits(hidden[t0:t1].to(cdtype), w, b, temperature)  # [tc, vc]
+                    z = block_logits(hidden[t0:t1].to(cdtype), w, b, temperature)  # [tc, vc]
                     m_old = m[t0:t1]
                     m_new = torch.maximum(m_old, z.amax(dim=-1))  # [tc]
                     scale = torch.exp(m_old - m_new)  # [tc], 0 on the first block
@@ -178,7 +203,7 @@ class _TokenStatsFn(torch.autograd.Function):
 
         def block_grad(t0: int, t1: int, v0: int, v1: int, h: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
             """d(loss)/d(logits before temperature) for one block."""
-            z = _block_logits(h, w, b, temperature)  # [tc, vc]
+            z = block_logits(h, w, b, temperature)  # [tc, vc]
             p = (z - lse[t0:t1, None]).exp_()  # [tc, vc]
             if g_ent is not None:
                 dz = z.sub_(shift[t0:t1, None]).mul_(-g_ent[t0:t1, None]).add_(a[t0:t1, None]).mul_(p)  # [tc, vc]
@@ -303,7 +328,7 @@ def token_stats(
     lead, h_dim = hidden.shape[:-1], hidden.shape[-1]
     flat_h = hidden.reshape(-1, h_dim)  # [N, H]
     flat_t = targets.reshape(-1) if targets is not None else None  # [N]
-    tc, vc = _plan_chunks(flat_h.shape[0], weight.shape[0], h_dim, chunk_size, _vocab_chunk, _LOGITS_BUDGET_BYTES)
+    tc, vc = plan_chunks(flat_h.shape[0], weight.shape[0], h_dim, chunk_size, _vocab_chunk, LOGITS_BUDGET_BYTES)
     logp, ent, sc = _TokenStatsFn.apply(
         flat_h, weight, bias, flat_t, float(temperature), tc, vc, bool(entropy), bool(self_certainty)
     )
