@@ -22,6 +22,7 @@ from lit_rl.models.loading import (
     resolve_source,
     trunk,
 )
+from lit_rl.models.reward import forward_soft_sparse, load_reward_model
 
 __all__ = [
     "DTYPES",
@@ -36,8 +37,10 @@ __all__ = [
     "check_supported",
     "embedded_default_path",
     "embedded_gguf_path",
+    "forward_soft_sparse",
     "lm_head",
     "load_causal_lm",
+    "load_reward_model",
     "load_tokenizer",
     "resolve_source",
     "trunk",

@@ -1,0 +1,221 @@
+"""Reward models that read a completion as sparse soft tokens, so a reward's gradient reaches the policy.
+
+GumbelTopK (GRADE, arXiv 2601.11574) backpropagates a frozen reward model's score into the policy
+through the soft tokens of a differentiable rollout. The paper feeds the reward model a dense
+``[B, C, V]`` distribution times its ``[V, H]`` embedding matrix; here each completion position
+carries only the k ids and k weights of the top-k Gumbel-softmax, and its input embedding is a
+gather of k embedding rows and a weighted sum (``[B, C, k, H]``, never ``[B, C, V]``). Both give the
+same embedding, so the score and its gradient w.r.t. the weights are those of the dense form.
+
+The reward model must share the policy's vocabulary (the soft ids index its embedding matrix), and
+must be a decoder that scores the last non-padding position (Llama, Qwen2, Mistral, GPT-2 style
+``...ForSequenceClassification``); :func:`load_reward_model` checks both at load time.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.nn.functional as F
+
+from lit_rl.models.loading import DTYPES, EMBEDDED, TINY_PREFIX, load_tokenizer, resolve_source, trunk
+
+# attribute names of the classification head on the last hidden state, in the order they are tried
+HEAD_NAMES = ("score", "classifier", "classification_head", "v_head")
+
+
+def load_reward_model(
+    name_or_path: str,
+    *,
+    policy_tokenizer=None,
+    gguf_file: str | None = None,
+    dtype: str = "float32",
+    trust_remote_code: bool = False,
+    vocab_size: int | None = None,
+):
+    """A frozen ``...ForSequenceClassification`` with one label and a ``forward_soft_sparse`` method.
+
+    Every parameter has ``requires_grad=False``, the model is in eval mode and its dropout
+    probabilities are set to 0, so a parent module switching to train mode cannot turn dropout back on.
+
+    Args:
+        name_or_path: a local folder or hub id of a sequence classifier, a folder plus ``gguf_file``,
+            or ``tiny:llama`` / ``tiny:qwen2`` / ``tiny:gpt2`` (random weights, tests only).
+        policy_tokenizer: the policy's tokenizer; the reward model's must have the same token -> id map.
+        gguf_file: file name inside ``name_or_path`` when that is a folder holding GGUF files.
+        dtype: ``float32``, ``bfloat16``, ``float16`` or ``auto``; the score is float32 whatever this is.
+        trust_remote_code: run model code shipped with the checkpoint. Off unless you trust it.
+        vocab_size: only for ``tiny:*`` models (to match a tokenizer).
+
+    Raises:
+        ValueError: a head that was not in the checkpoint, ``num_labels != 1``, a vocabulary other
+            than the policy's, or an architecture whose score ``forward_soft_sparse`` cannot reproduce.
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f"reward_model.dtype: {dtype!r} is not one of {sorted(DTYPES)}")
+    torch_dtype = DTYPES[dtype]
+    if name_or_path.startswith(TINY_PREFIX):
+        from transformers import AutoModelForSequenceClassification
+
+        from lit_rl.testing import tiny_config
+
+        torch.manual_seed(0)
+        config = tiny_config(name_or_path[len(TINY_PREFIX) :], vocab_size=vocab_size or 128, num_labels=1)
+        model = AutoModelForSequenceClassification.from_config(config)
+        if torch_dtype != "auto":
+            model = model.to(torch_dtype)
+    else:
+        model = _from_pretrained(name_or_path, gguf_file, torch_dtype, trust_remote_code)
+    if model.config.num_labels != 1:
+        raise ValueError(
+            f"reward model {name_or_path} has num_labels={model.config.num_labels}; a reward model gives one score "
+            "per sequence: use a checkpoint trained with num_labels=1"
+        )
+    if policy_tokenizer is not None:
+        tokenizer = load_tokenizer(name_or_path, gguf_file=gguf_file, trust_remote_code=trust_remote_code)
+        check_same_vocabulary(tokenizer, policy_tokenizer, reward_name=name_or_path)
+    freeze(model)
+    classification_head(model)  # refuse a model without a head we know, now rather than at the first step
+    model.forward_soft_sparse = types.MethodType(forward_soft_sparse, model)
+    check_parity(model, name_or_path)
+    return model
+
+
+def _from_pretrained(name_or_path: str, gguf_file: str | None, torch_dtype, trust_remote_code: bool):
+    from transformers import AutoModelForSequenceClassification
+
+    path, gguf = resolve_source(name_or_path, gguf_file)
+    model, info = AutoModelForSequenceClassification.from_pretrained(
+        path, gguf_file=gguf, dtype=torch_dtype, trust_remote_code=trust_remote_code, output_loading_info=True
+    )
+    missing = [k for k in info.get("missing_keys", ()) if k.split(".")[0] in HEAD_NAMES]
+    if missing:
+        hint = " ('embedded' is the policy)" if name_or_path == EMBEDDED else ""
+        raise ValueError(
+            f"reward model {name_or_path}{hint} has no trained classification head ({', '.join(sorted(missing))} "
+            "missing from the checkpoint, so the score would be random); give a checkpoint trained as a reward "
+            "model, e.g. the built-in arithmetic one that `lit-rl reward-model` writes"
+        )
+    if gguf is not None:
+        model.hf_quantizer = None  # dequantised on load; the marker only blocks save_pretrained
+    return model
+
+
+def freeze(model) -> None:
+    """No gradients, eval mode and dropout probabilities set to 0 (also if a parent calls ``.train()``)."""
+    model.requires_grad_(False)
+    model.eval()
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
+
+
+def check_same_vocabulary(reward_tokenizer, policy_tokenizer, *, reward_name: str = "") -> None:
+    """Refuse a reward tokenizer whose token -> id map differs from the policy's (the soft ids index its embedding).
+
+    Raises:
+        ValueError: one line naming both tokenizers, their sizes and the fix.
+    """
+    reward_vocab, policy_vocab = reward_tokenizer.get_vocab(), policy_tokenizer.get_vocab()
+    if len(reward_tokenizer) == len(policy_tokenizer) and reward_vocab == policy_vocab:
+        return
+    differ = len(set(reward_vocab.items()) ^ set(policy_vocab.items()))
+    reward_id = reward_tokenizer.name_or_path or "built in memory"
+    policy_id = policy_tokenizer.name_or_path or "built in memory"
+    raise ValueError(
+        f"reward model {reward_name or reward_id}: its tokenizer ({reward_id}, {len(reward_tokenizer)} tokens) "
+        f"is not the policy's ({policy_id}, {len(policy_tokenizer)} tokens; {differ} token->id pairs differ): "
+        "the soft tokens are policy ids; use a reward model trained on the policy's tokenizer (the same model family)"
+    )
+
+
+def classification_head(model) -> torch.nn.Module:
+    """The module that maps the last hidden state to the score (``score`` for Llama/Qwen2/GPT-2)."""
+    for name in HEAD_NAMES:
+        head = getattr(model, name, None)
+        if isinstance(head, torch.nn.Module):
+            return head
+    raise ValueError(
+        f"{type(model).__name__} has no classification head named one of {', '.join(HEAD_NAMES)}; "
+        "use a decoder sequence classifier (Llama, Qwen2, Mistral, GPT-2 style)"
+    )
+
+
+def soft_embeddings(embedding: torch.nn.Module, soft_indices: torch.Tensor, soft_weights: torch.Tensor) -> torch.Tensor:
+    """``sum_k w * E[idx]``: the input embedding of soft tokens as a gather of k rows, never ``[..., V]``."""
+    rows = F.embedding(soft_indices, embedding.weight)  # [B, C, k, H]
+    soft = (soft_weights.to(rows.dtype).unsqueeze(-1) * rows).sum(-2)  # [B, C, H]
+    scale = getattr(embedding, "embed_scale", None)  # Gemma-style embeddings scale inside their forward
+    return soft * scale if scale is not None else soft
+
+
+def forward_soft_sparse(
+    model,
+    input_ids: torch.Tensor,
+    soft_indices: torch.Tensor,
+    soft_weights: torch.Tensor,
+    attention_mask: torch.Tensor,
+) -> torch.Tensor:
+    """Score prompts (hard tokens) followed by completions given as sparse soft tokens.
+
+    Attached to models from :func:`load_reward_model` as ``model.forward_soft_sparse(...)``.
+
+    Args:
+        model: a ``...ForSequenceClassification`` (decoder, head on the last position).
+        input_ids: ``[B, P]`` prompt ids, left-padded.
+        soft_indices: ``[B, C, k]`` token ids of each completion position.
+        soft_weights: ``[B, C, k]`` their weights (summing to 1 per position); differentiable.
+        attention_mask: ``[B, P + C]``; 0 for the prompt's left padding and completion positions after the end.
+
+    Returns:
+        ``[B]`` float32 scores, read at the last position whose mask is 1; gradients flow to ``soft_weights``.
+    """
+    B, P = input_ids.shape
+    C = soft_indices.shape[1]
+    if attention_mask.shape != (B, P + C):
+        raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}; expected {(B, P + C)}")
+    embedding = model.get_input_embeddings()
+    prompt = embedding(input_ids)  # [B, P, H]
+    completion = soft_embeddings(embedding, soft_indices, soft_weights)  # [B, C, H]
+    inputs_embeds = torch.cat([prompt, completion.to(prompt.dtype)], dim=1)  # [B, P + C, H]
+    mask = attention_mask.long()  # [B, P + C]
+    position_ids = (mask.cumsum(-1) - 1).clamp_min(0)  # [B, P + C] as in left-padded generation
+    out = trunk(model)(inputs_embeds=inputs_embeds, attention_mask=mask, position_ids=position_ids, use_cache=False)
+    hidden = out[0]  # [B, P + C, H]
+    positions = torch.arange(P + C, device=mask.device)  # [P + C]
+    last = (positions * mask).argmax(-1)  # [B] rightmost position whose mask is 1
+    pooled = hidden[torch.arange(B, device=hidden.device), last]  # [B, H]
+    return classification_head(model)(pooled)[:, 0].float()  # [B]
+
+
+def check_parity(model, name: str) -> None:
+    """Refuse a model whose own score differs from ``forward_soft_sparse`` with one-hot soft tokens.
+
+    One forward of 6 tokens; catches heads that read another position or embeddings scaled elsewhere.
+    """
+    atol = 1e-3 if model.get_input_embeddings().weight.dtype == torch.float32 else 5e-2
+    vocab = model.get_input_embeddings().num_embeddings
+    pad = model.config.pad_token_id
+    ids = torch.arange(3, 9, device=model.device) % vocab
+    if pad is not None:
+        ids = torch.where(ids == pad, (ids + 1) % vocab, ids)
+    ids = ids.unsqueeze(0)  # [1, 6]
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits[:, 0].float()  # [1]
+        got = forward_soft_sparse(
+            model,
+            ids[:, :3],
+            ids[:, 3:].unsqueeze(-1),
+            torch.ones(1, 3, 1, device=ids.device),
+            torch.ones_like(ids),
+        )  # [1]
+    scale = max(1.0, expected.abs().item())
+    if not torch.isfinite(got).all() or (got - expected).abs().item() > atol * scale:
+        raise ValueError(
+            f"reward model {name} ({type(model).__name__}): forward_soft_sparse gives {got.item():.4g} where the "
+            f"model gives {expected.item():.4g} on the same tokens; use a decoder sequence classifier that scores "
+            "the last token (Llama, Qwen2, Mistral, GPT-2 style)"
+        )
