@@ -1,0 +1,270 @@
+"""Exact full-vocabulary KL(policy || reference) per token, from the two models' hidden states.
+
+For each row, ``p = softmax(zp)`` and ``q = softmax(zq)`` with ``zp = (hidden_p @ weight_p.T + bias_p) / T``
+and ``zq = (hidden_q @ weight_q.T + bias_q) / T`` (each model's own LM head, one shared vocabulary), and the
+result is ``KL(p || q) = sum_v p_v (log p_v - log q_v)``, exactly, over the whole vocabulary.
+
+Why: GumbelTopK penalises the policy's drift from the reference at every step of a differentiable rollout.
+The seed analysis (``../shared/seeds/001_ebeccb407099ee5b.txt``) first stored the reference logits
+``[B, T, V]`` and computed the KL at the end, then proposed computing it per step from the two ``[B, V]``
+logits rows (inside the reference's ``torch.no_grad()`` block in its sketch, which would also cut the
+policy's gradient). Here the KL is computed online, one vocabulary block at a time, from the two hidden
+states, so neither ``[B, T, V]`` nor ``[B, V]`` logits exist, and it is the exact KL with its exact
+gradient, not the k3 estimator on the sampled token that GRPO uses (a sampled token means little when the
+rollout feeds soft tokens, and the exact value costs one more pass over blocks the head reads anyway).
+
+How, in one pass over vocabulary blocks: running maxima and sums give ``logsumexp(zp)`` and
+``logsumexp(zq)`` (online logsumexp), and a running sum of ``exp(zp - max) * (zp - zq)`` gives
+``E_p[zp - zq]``; then ``KL = E_p[zp - zq] - logsumexp(zp) + logsumexp(zq)``. Backward recomputes each
+block and applies ``dKL/dzp_v = p_v * ((log p_v - log q_v) - KL) = p_v * ((zp_v - zq_v) - E_p[zp - zq])``
+(the logits are not normalised, so the shift is ``E_p[zp - zq]``, not the KL) and ``dKL/dzq_v = q_v - p_v``,
+each divided by ``T`` on the way to hidden state, weight and bias. Gradients go to every input that
+requires grad, the reference side included (it normally needs none, and then none is computed for it).
+
+What is saved for backward: the two hidden states and references to the two weights and biases (tensors
+autograd or the model holds anyway), plus three float32 per-row vectors ``[N]`` (``N`` rows, all leading
+dimensions flattened): both log-normalisers and ``E_p[zp - zq]``. Nothing of size ``V`` per row is kept.
+
+Memory bound (beyond inputs and outputs): the chunk plan of :mod:`lit_rl.ops.token_math` with a third of
+its budget per float32 ``[tokens, vocab]`` block, since three such blocks are alive at once (the two logits
+blocks and ``zp - zq``, or ``q``, in backward), plus float32 copies of one block of weight rows per head
+when the inputs are bf16/fp16. Backward adds float32 accumulators ``[N, H]`` for the hidden-state
+gradients (vocabulary blocks outside, so each weight block's gradient is summed once).
+
+Dtypes and limits: blocks are computed in float32 (float64 for double inputs), autocast is off inside,
+the KL is float32 (float64), gradients come back in the inputs' dtypes. The KL is non-negative up to
+rounding and exactly 0 when both sides are the same tensors; it is not clamped, to keep the gradient
+exact. Logits must be finite (a ``-inf`` bias gives NaN). Double backward is not supported.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from lit_rl.ops import token_math
+from lit_rl.ops.token_math import block_logits, plan_chunks
+
+# float32 [tokens, vocab] blocks alive at once: the two logits blocks and a third (zp - zq, or q)
+_LIVE_BLOCKS = 3
+
+
+def _online_logsumexp_step(m: Tensor, s: Tensor, z: Tensor) -> tuple[Tensor, Tensor]:
+    """One block of an online logsumexp: updates the running max ``m`` and sum ``s`` (``[tc]`` views) in place.
+
+    Returns ``exp(z - m_new)`` (written into ``z``'s storage) and the factor that rescaled the old sums,
+    which any other running sum weighted by ``exp(z - m)`` needs too.
+    """
+    m_new = torch.maximum(m, z.amax(dim=-1))  # [tc]
+    scale = torch.exp(m - m_new)  # [tc], 0 on the first block
+    e = z.sub_(m_new[:, None]).exp_()  # [tc, vc]
+    s.mul_(scale).add_(e.sum(dim=-1))
+    m.copy_(m_new)
+    return e, scale
+
+
+def _head_rows(
+    weight: Tensor, bias: Tensor | None, v0: int, v1: int, cdtype: torch.dtype
+) -> tuple[Tensor, Tensor | None]:
+    """Weight rows ``[vc, H]`` and bias entries ``[vc]`` of the vocabulary block ``[v0, v1)`` in the compute dtype."""
+    return weight[v0:v1].to(cdtype), (bias[v0:v1].to(cdtype) if bias is not None else None)
+
+
+class _HeadGrads:
+    """Gradient accumulators of one side (hidden state, weight, bias), filled one vocabulary block at a time."""
+
+    def __init__(self, hidden: Tensor, weight: Tensor, bias: Tensor | None, needs, cdtype: torch.dtype) -> None:
+        need_h, need_w, need_b = needs
+        dev = hidden.device
+        # a weight in the compute dtype accumulates straight into its gradient; others through a float32 block
+        self.direct = weight.dtype == cdtype
+        self.gh = torch.zeros(hidden.shape, dtype=cdtype, device=dev) if need_h else None  # [N, H]
+        self.gw = (torch.zeros_like(weight) if self.direct else torch.empty_like(weight)) if need_w else None  # [V, H]
+        self.gb = torch.zeros(weight.shape[0], dtype=cdtype, device=dev) if need_b else None  # [V]
+        self.block = None
+
+    def open(self, v0: int, v1: int, w: Tensor) -> None:
+        """Start the vocabulary block ``[v0, v1)`` whose weight rows are ``w``."""
+        if self.gw is not None:
+            self.block = self.gw[v0:v1] if self.direct else torch.zeros_like(w)  # [vc, H]
+
+    def add(self, t0: int, t1: int, v0: int, v1: int, dz: Tensor, h: Tensor, w: Tensor) -> None:
+        """Add the contribution of ``dz = dloss/dz`` ``[tc, vc]`` of token rows ``[t0, t1)``."""
+        if self.block is not None:
+            self.block.addmm_(dz.T, h)
+        if self.gh is not None:
+            self.gh[t0:t1].addmm_(dz, w)
+        if self.gb is not None:
+            self.gb[v0:v1] += dz.sum(dim=0)
+
+    def close(self, v0: int, v1: int) -> None:
+        """Write the finished weight block's gradient."""
+        if self.gw is not None and not self.direct:
+            self.gw[v0:v1] = self.block
+        self.block = None
+
+    def result(self, hidden: Tensor, bias: Tensor | None) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        """``(grad_hidden, grad_weight, grad_bias)`` in the inputs' dtypes, ``None`` where not needed."""
+        gh = self.gh.to(hidden.dtype) if self.gh is not None else None
+        gb = self.gb.to(bias.dtype) if self.gb is not None else None
+        return gh, self.gw, gb
+
+
+class _KLFn(torch.autograd.Function):
+    """Chunked forward/backward over flattened rows; see the module docstring for what is saved."""
+
+    @staticmethod
+    def forward(
+        ctx,
+        hidden_p: Tensor,  # [N, H]
+        weight_p: Tensor,  # [V, H]
+        bias_p: Tensor | None,  # [V]
+        hidden_q: Tensor,  # [N, H']
+        weight_q: Tensor,  # [V, H']
+        bias_q: Tensor | None,  # [V]
+        temperature: float,
+        tc: int,
+        vc: int,
+    ) -> Tensor:
+        n, v = hidden_p.shape[0], weight_p.shape[0]
+        cdtype = torch.float32
+        for t in (hidden_p, weight_p, hidden_q, weight_q):
+            cdtype = torch.promote_types(cdtype, t.dtype)
+        dev = hidden_p.device
+        m_p = torch.full((n,), -math.inf, dtype=cdtype, device=dev)  # running max of zp  [N]
+        s_p = torch.zeros(n, dtype=cdtype, device=dev)  # sum exp(zp - m_p)  [N]
+        m_q = torch.full((n,), -math.inf, dtype=cdtype, device=dev)  # running max of zq  [N]
+        s_q = torch.zeros(n, dtype=cdtype, device=dev)  # sum exp(zq - m_q)  [N]
+        a = torch.zeros(n, dtype=cdtype, device=dev)  # sum exp(zp - m_p) * (zp - zq)  [N]
+
+        with torch.autocast(dev.type, enabled=False):
+            for v0 in range(0, v, vc):
+                v1 = min(v, v0 + vc)
+                wp, bp = _head_rows(weight_p, bias_p, v0, v1, cdtype)  # [vc, H], [vc]
+                wq, bq = _head_rows(weight_q, bias_q, v0, v1, cdtype)  # [vc, H'], [vc]
+                for t0 in range(0, n, tc):
+                    t1 = min(n, t0 + tc)
+                    zp = block_logits(hidden_p[t0:t1].to(cdtype), wp, bp, temperature)  # [tc, vc]
+                    zq = block_logits(hidden_q[t0:t1].to(cdtype), wq, bq, temperature)  # [tc, vc]
+                    d = zp - zq  # [tc, vc]
+                    ep, scale_p = _online_logsumexp_step(m_p[t0:t1], s_p[t0:t1], zp)  # [tc, vc], [tc]
+                    a[t0:t1] = a[t0:t1] * scale_p + d.mul_(ep).sum(dim=-1)
+                    _online_logsumexp_step(m_q[t0:t1], s_q[t0:t1], zq)
+                    del zp, zq, d, ep  # free this block before the next is allocated
+
+        lse_p = m_p + torch.log(s_p)  # [N]
+        lse_q = m_q + torch.log(s_q)  # [N]
+        mean_d = a / s_p  # [N], E_p[zp - zq]
+        kl = mean_d + (lse_q - lse_p)  # [N]
+
+        ctx.save_for_backward(hidden_p, weight_p, bias_p, hidden_q, weight_q, bias_q, lse_p, lse_q, mean_d)
+        ctx.temperature, ctx.tc, ctx.vc = temperature, tc, vc
+        return kl
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_kl: Tensor | None):
+        hidden_p, weight_p, bias_p, hidden_q, weight_q, bias_q, lse_p, lse_q, mean_d = ctx.saved_tensors
+        temperature, tc, vc = ctx.temperature, ctx.tc, ctx.vc
+        needs = ctx.needs_input_grad
+        need_p, need_q = any(needs[0:3]), any(needs[3:6])
+        if grad_kl is None or not (need_p or need_q):
+            return (None,) * 9
+
+        n, v = hidden_p.shape[0], weight_p.shape[0]
+        cdtype = lse_p.dtype
+        g = grad_kl.to(cdtype) / temperature  # [N], the chain rule through z = (h W^T + b) / T
+        acc_p = _HeadGrads(hidden_p, weight_p, bias_p, needs[0:3], cdtype)
+        acc_q = _HeadGrads(hidden_q, weight_q, bias_q, needs[3:6], cdtype)
+        with torch.autocast(hidden_p.device.type, enabled=False):
+            for v0 in range(0, v, vc):
+                v1 = min(v, v0 + vc)
+                wp, bp = _head_rows(weight_p, bias_p, v0, v1, cdtype)  # [vc, H], [vc]
+                wq, bq = _head_rows(weight_q, bias_q, v0, v1, cdtype)  # [vc, H'], [vc]
+                acc_p.open(v0, v1, wp)
+                acc_q.open(v0, v1, wq)
+                for t0 in range(0, n, tc):
+                    t1 = min(n, t0 + tc)
+                    hp, hq = hidden_p[t0:t1].to(cdtype), hidden_q[t0:t1].to(cdtype)  # [tc, H], [tc, H']
+                    zp = block_logits(hp, wp, bp, temperature)  # [tc, vc]
+                    zq = block_logits(hq, wq, bq, temperature)  # [tc, vc]
+                    q = (zq - lse_q[t0:t1, None]).exp_() if need_q else None  # [tc, vc]
+                    d = zq.neg_().add_(zp)  # [tc, vc], zp - zq in zq's storage
+                    p = zp.sub_(lse_p[t0:t1, None]).exp_()  # [tc, vc]
+                    dzp = dzq = None
+                    if need_p:
+                        dzp = d.sub_(mean_d[t0:t1, None]).mul_(p).mul_(g[t0:t1, None])  # [tc, vc], p (log p/q - KL)
+                        acc_p.add(t0, t1, v0, v1, dzp, hp, wp)
+                    if need_q:
+                        dzq = q.sub_(p).mul_(g[t0:t1, None])  # [tc, vc], q - p
+                        acc_q.add(t0, t1, v0, v1, dzq, hq, wq)
+                    del zp, zq, p, d, q, dzp, dzq  # free this block before the next is allocated
+                acc_p.close(v0, v1)
+                acc_q.close(v0, v1)
+        return *acc_p.result(hidden_p, bias_p), *acc_q.result(hidden_q, bias_q), None, None, None
+
+
+def kl_divergence(
+    hidden_p: Tensor,
+    weight_p: Tensor,
+    hidden_q: Tensor,
+    weight_q: Tensor,
+    *,
+    temperature: float = 1.0,
+    bias_p: Tensor | None = None,
+    bias_q: Tensor | None = None,
+    chunk_size: int | None = None,
+    _vocab_chunk: int | None = None,
+) -> Tensor:
+    """Per-row full-vocabulary KL(p || q) from two hidden states and LM heads, without materialising logits.
+
+    ``p = softmax((hidden_p @ weight_p.T + bias_p) / temperature)``, ``q`` likewise from the ``_q`` inputs;
+    differentiable w.r.t. every tensor input that requires grad.
+
+    Args:
+        hidden_p: policy hidden states ``[..., H]``, any float dtype.
+        weight_p: policy LM-head weight ``[V, H]``.
+        hidden_q: reference hidden states ``[..., H']``, the same leading shape as ``hidden_p``.
+        weight_q: reference LM-head weight ``[V, H']``, the same vocabulary as ``weight_p``.
+        temperature: both sides' logits are divided by it, must be positive.
+        bias_p: optional policy LM-head bias ``[V]``.
+        bias_q: optional reference LM-head bias ``[V]``.
+        chunk_size: rows (tokens) per block; ``None`` chooses token and vocabulary blocks so that the three
+            live float32 blocks stay within token_math's 64 MiB budget. Given, the vocabulary block is chosen
+            to keep that budget.
+        _vocab_chunk: vocabulary rows per block (tests); ``None`` chooses it from the budget.
+
+    Returns:
+        KL per row ``[...]``, float32 (float64 for double inputs).
+
+    Raises:
+        ValueError: on mismatched shapes or a non-positive temperature or chunk size.
+    """
+    for name, hidden, weight in (("p", hidden_p, weight_p), ("q", hidden_q, weight_q)):
+        if weight.dim() != 2 or hidden.shape[-1] != weight.shape[-1]:
+            raise ValueError(
+                f"hidden_{name} [..., H] and weight_{name} [V, H] disagree: "
+                f"{tuple(hidden.shape)} vs {tuple(weight.shape)}"
+            )
+    if weight_p.shape[0] != weight_q.shape[0]:
+        raise ValueError(f"the two heads have different vocabularies: {weight_p.shape[0]} vs {weight_q.shape[0]} rows")
+    if hidden_p.shape[:-1] != hidden_q.shape[:-1]:
+        raise ValueError(
+            f"hidden_p {tuple(hidden_p.shape)} and hidden_q {tuple(hidden_q.shape)} must share their leading shape"
+        )
+    for name, bias in (("bias_p", bias_p), ("bias_q", bias_q)):
+        if bias is not None and bias.shape != weight_p.shape[:1]:
+            raise ValueError(f"{name} {tuple(bias.shape)} must be [V] = [{weight_p.shape[0]}]")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be positive, got {temperature}")
+    lead = hidden_p.shape[:-1]
+    flat_p = hidden_p.reshape(-1, hidden_p.shape[-1])  # [N, H]
+    flat_q = hidden_q.reshape(-1, hidden_q.shape[-1])  # [N, H']
+    n, v, h = flat_p.shape[0], weight_p.shape[0], max(flat_p.shape[1], flat_q.shape[1])
+    budget = token_math.LOGITS_BUDGET_BYTES // _LIVE_BLOCKS  # read at each call, like token_math
+    tc, vc = plan_chunks(n, v, h, chunk_size, _vocab_chunk, budget)
+    kl = _KLFn.apply(flat_p, weight_p, bias_p, flat_q, weight_q, bias_q, float(temperature), tc, vc)
+    return kl.reshape(lead)
