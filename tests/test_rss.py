@@ -1,0 +1,49 @@
+"""Peak RSS: reset and read the kernel's high-water mark, the sources this machine offers, the stage timer."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+
+from lit_rl.memory.rss import peak_rss_stage, probe_rss_source, read_peak_rss, reset_peak_rss
+
+linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="VmHWM and clear_refs are Linux-only")
+
+
+@linux
+def test_reset_then_read_gives_a_positive_peak():
+    reset_peak_rss()
+    assert read_peak_rss("vmhwm") > 0
+    assert read_peak_rss("getrusage") > 0
+
+
+def test_unknown_or_missing_source_reads_nothing():
+    assert read_peak_rss(None) is None
+    assert read_peak_rss("psutil") is None
+    assert probe_rss_source() in ("vmhwm", "getrusage", None)
+
+
+@linux
+def test_a_touched_200_mb_allocation_raises_the_peak():
+    if not reset_peak_rss():
+        pytest.skip("/proc/self/clear_refs is not writable here: the peak cannot be reset")
+    before = read_peak_rss("vmhwm")
+    block = np.ones(200 * 2**20 // 8)  # 200 MiB, every page written
+    del block
+    assert read_peak_rss("vmhwm") - before >= 150 * 2**20
+    assert probe_rss_source() == "vmhwm"
+
+
+def test_stage_times_and_measures_a_block():
+    with peak_rss_stage() as small:
+        pass
+    with peak_rss_stage() as big:
+        block = np.ones(200 * 2**20 // 8)
+        del block
+    assert big.elapsed_s >= 0 and big.cpu_s >= 0
+    if sys.platform.startswith("linux"):
+        assert big.peak_rss_gib > 0
+    if big.per_stage:
+        assert big.peak_rss_gib - small.peak_rss_gib > 0.1
