@@ -109,7 +109,8 @@ def part_embed(args) -> dict:
     """The embedding stage on a sample of the 28k prompts (or all of them with --model embedded)."""
     import torch
 
-    from lit_rl.data.density import embed_prompts, peak_rss_stage
+    from lit_rl.data.density import embed_prompts
+    from lit_rl.memory.rss import peak_rss_stage
 
     torch.set_num_threads(os.cpu_count() or 1)
     prompts = synth_prompts(args.prompts, args.seed)
@@ -160,7 +161,8 @@ def part_embed(args) -> dict:
 
 def part_small(args) -> dict:
     """Density stage (exact kNN + weights) on a 28k x 576 float32 matrix."""
-    from lit_rl.data.density import effective_sample_size, inverse_density_weights, peak_rss_stage
+    from lit_rl.data.density import effective_sample_size, inverse_density_weights
+    from lit_rl.memory.rss import peak_rss_stage
 
     x = np.empty((args.prompts, args.dim), dtype=np.float32)
     synth_embeddings(x, seed=args.seed)
@@ -212,7 +214,8 @@ def recall(found: np.ndarray, truth: np.ndarray) -> float:
 
 def part_large(args) -> dict:
     """IVF kNN + weights on the 1M float16 memmap, then a check of a random sample against exact search."""
-    from lit_rl.data.density import _weights_from_mean_distances, effective_sample_size, knn_search, peak_rss_stage
+    from lit_rl.data.density import effective_sample_size, knn_search, weights_from_mean_distances
+    from lit_rl.memory.rss import peak_rss_stage
 
     x = np.load(Path(args.workdir) / "large.npy", mmap_mode="r")
     rss0 = current_rss_gib()
@@ -222,7 +225,7 @@ def part_large(args) -> dict:
         dist, idx = knn_search(
             x, args.k, backend="ivf", nlist=args.nlist, nprobe=args.nprobe, train_size=args.train_size, seed=args.seed
         )
-        w = _weights_from_mean_distances(dist.astype(np.float64).mean(1), 0.01)
+        w = weights_from_mean_distances(dist.astype(np.float64).mean(1), 0.01)
     load1 = os.getloadavg()[0]
     sample = np.random.default_rng(args.seed).choice(x.shape[0], size=args.check_sample, replace=False)
     t = time.perf_counter()
@@ -250,20 +253,20 @@ def part_large(args) -> dict:
 
 def part_compare(args) -> dict:
     """IVF vs exact on the first ``--subset`` rows of the 1M file, IVF at its default nlist (4 sqrt(N))."""
-    from lit_rl.data.density import _weights_from_mean_distances, knn_search
+    from lit_rl.data.density import knn_search, weights_from_mean_distances
 
     x = np.asarray(np.load(Path(args.workdir) / "large.npy", mmap_mode="r")[: args.subset], dtype=np.float32)
     load0 = os.getloadavg()[0]
     t, cpu = time.perf_counter(), time.process_time()
     ref_d, ref_i = knn_search(x, args.k, backend="exact")
     exact_s, exact_cpu = time.perf_counter() - t, time.process_time() - cpu
-    ref_w = _weights_from_mean_distances(ref_d.astype(np.float64).mean(1), 0.01)
+    ref_w = weights_from_mean_distances(ref_d.astype(np.float64).mean(1), 0.01)
     rows = []
     for search, nprobe in args.compare:
         t, cpu = time.perf_counter(), time.process_time()
         d, i = knn_search(x, args.k, backend="ivf", nprobe=nprobe, ivf_search=search, seed=args.seed)
         elapsed, cpu = time.perf_counter() - t, time.process_time() - cpu
-        w = _weights_from_mean_distances(d.astype(np.float64).mean(1), 0.01)
+        w = weights_from_mean_distances(d.astype(np.float64).mean(1), 0.01)
         rel = np.abs(w - ref_w) / ref_w
         rank = lambda v: np.argsort(np.argsort(v))  # noqa: E731
         rows.append(

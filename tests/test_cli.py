@@ -45,7 +45,7 @@ def test_bad_value_fails_before_training():
 def test_embed_writes_the_cache_that_training_reuses_and_refuses_when_stale(tmp_path, monkeypatch):
     import json
 
-    import lit_rl.data.density as density
+    import lit_rl.data.density.pipeline as density  # where the pipeline looks embed_prompts up
 
     cache = tmp_path / "emb"
     data = ["--data.init_args.sampler", "density", "--data.init_args.density_cache_dir", str(cache),
