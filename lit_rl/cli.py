@@ -28,17 +28,24 @@ class LitRLCLI(LightningCLI):
 
 
 def _embed(args: list[str]) -> None:
-    """``lit-rl embed --config X.yaml``: write the prompt-embedding cache that density sampling reuses."""
-    from lit_rl.data.density import EmbeddingCache, dataset_fingerprint, embed_prompts  # noqa: F401
+    """``lit-rl embed --config X.yaml``: write the prompt-embedding cache that density sampling reuses.
 
+    Takes the arguments of ``lit-rl fit`` (its --config files and overrides).
+    """
     cli = LitRLCLI(args=args, run=False)
     module, data = cli.model, cli.datamodule
+    if not hasattr(data, "build_density_cache"):
+        raise SystemExit(f"lit-rl embed: {type(data).__name__} writes no embedding cache; use PromptDataModule")
     if getattr(data.hparams, "density_cache_dir", None) is None:
         raise SystemExit("lit-rl embed: set data.density_cache_dir (where the embeddings are written)")
-    module.setup("fit")
-    data.connect(module.tokenizer, embed_model=module._policy_for_embedding, model_id=module.name_or_path)
-    data.hparams.sampler = "density"
-    data._compute_density_weights(data.prepare_records())
+    module.setup("fit")  # loads the tokenizer
+
+    def policy():
+        module.configure_model()
+        return module.policy
+
+    data.connect(module.tokenizer, embed_model=policy, model_id=module.name_or_path)
+    data.build_density_cache()
 
 
 def main(argv: list[str] | None = None) -> None:

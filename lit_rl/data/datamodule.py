@@ -18,6 +18,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.utils.data import DataLoader, Dataset
 
+from lit_rl.data.density import density_weights_for
 from lit_rl.data.tasks import arithmetic_prompts, read_records
 
 
@@ -178,7 +179,7 @@ class PromptDataModule(L.LightningDataModule):
         records = self.prepare_records()
         weights = None
         if self.hparams.sampler == "density":
-            weights = self._compute_density_weights(records)
+            weights = self._density_weights(records)
         sampler = WeightedStreamSampler(
             weights if weights is not None else np.ones(len(records)) / len(records),
             len(records),
@@ -189,9 +190,26 @@ class PromptDataModule(L.LightningDataModule):
             self._sampler_state = None
         return sampler
 
-    def _compute_density_weights(self, records: list[dict[str, Any]]) -> np.ndarray:
-        from lit_rl.data.density import density_weights_for
+    def build_density_cache(self) -> np.ndarray:
+        """Write the prompt-embedding cache in ``density_cache_dir`` (what ``lit-rl embed`` runs).
 
+        A matching cache is reused. The density weights are computed too, so ``density_k`` is checked
+        and the effective sample size logged before a training run needs them.
+
+        Returns:
+            ``[N]`` density weights summing to 1.
+
+        Raises:
+            MisconfigurationException: ``density_cache_dir`` is not set, or :meth:`connect` has not
+                been given the policy model.
+        """
+        if self.hparams.density_cache_dir is None:
+            raise MisconfigurationException(
+                "data.density_cache_dir is not set; set it to the folder the embeddings are written to"
+            )
+        return self._density_weights(self.prepare_records())
+
+    def _density_weights(self, records: list[dict[str, Any]]) -> np.ndarray:
         if self._embed_model is None or self.tokenizer is None:
             raise MisconfigurationException(
                 "data.sampler: density needs the policy model; the method must call "
