@@ -30,7 +30,8 @@ class LitRLCLI(LightningCLI):
 def _embed(args: list[str]) -> None:
     """``lit-rl embed --config X.yaml``: write the prompt-embedding cache that density sampling reuses.
 
-    Takes the arguments of ``lit-rl fit`` (its --config files and overrides).
+    Takes the arguments of ``lit-rl fit`` (its --config files and overrides); a cache built for other
+    prompts or settings is replaced.
     """
     cli = LitRLCLI(args=args, run=False)
     module, data = cli.model, cli.datamodule

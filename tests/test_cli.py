@@ -64,3 +64,51 @@ def test_embed_writes_the_cache_that_training_reuses_and_refuses_when_stale(tmp_
     assert cli.trainer.global_step == 1 and cli.datamodule.density_weights.shape == (24,)
     with pytest.raises(ValueError, match="lit-rl embed"):  # other prompts, same cache: stale, and says how to fix
         LitRLCLI(args=[*fit, "--data.init_args.difficulty", "3"])
+
+
+def test_embed_rebuilds_a_stale_cache_and_fit_names_the_exact_rebuild_command(tmp_path, monkeypatch, caplog):
+    import json
+    import logging
+    import shlex
+
+    import lit_rl.data.density.pipeline as density  # where the pipeline looks embed_prompts up
+    from lit_rl.data.density import StaleEmbeddingCacheError
+
+    # lightning stops propagating its log records when the root logger had no handler at import time
+    monkeypatch.setattr(logging.getLogger("lightning.pytorch"), "propagate", True)
+    cache, config = tmp_path / "emb", str(ROOT / "configs/grpo_tiny.yaml")
+    data = ["--data.init_args.sampler", "density", "--data.init_args.density_cache_dir", str(cache),
+            "--data.init_args.density_k", "3"]  # fmt: skip
+    main(["embed", "--config", config, *data, "--data.init_args.num_prompts", "24"])
+
+    # other prompts: `lit-rl embed` replaces the stale cache and says why, in one line
+    with caplog.at_level(logging.INFO):
+        main(["embed", "--config", config, *data, "--data.init_args.num_prompts", "32"])
+    said = {r.getMessage() for r in caplog.records if "stale embedding cache" in r.getMessage()}
+    assert len(said) == 1 and "count: cached 24 != expected 32" in said.pop()
+    assert json.loads((cache / "embeddings.json").read_text())["count"] == 32
+
+    # `lit-rl fit` trains on the rebuilt cache without embedding again
+    embed_prompts = density.embed_prompts
+
+    def no_embedding(*args, **kwargs):
+        raise AssertionError("the cached embeddings should have been reused")
+
+    monkeypatch.setattr(density, "embed_prompts", no_embedding)
+    fit = ["fit", "--config", config, *data, "--data.init_args.num_prompts", "32", "--trainer.max_steps", "1",
+           "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"), "--trainer.enable_progress_bar", "false"]  # fmt: skip
+    main(fit)
+    assert list((tmp_path / "runs").rglob("events.out.tfevents.*")), "the fit run trained and logged"
+
+    # a stale cache again: `lit-rl fit` refuses it with the command that rebuilds it, and that command works
+    stale_fit = [*fit, "--data.init_args.difficulty", "3", "--ckpt_path", "null"]
+    monkeypatch.setattr(sys, "argv", ["/venv/bin/lit-rl", *stale_fit])
+    with pytest.raises(StaleEmbeddingCacheError, match="dataset_fingerprint") as err:
+        main()
+    command = str(err.value).split("rebuild it with: ")[1]
+    expected = ["lit-rl", "embed", *stale_fit[1:-2]]  # `fit` -> `embed`, without the option embed does not take
+    assert shlex.split(command) == expected
+    monkeypatch.setattr(density, "embed_prompts", embed_prompts)
+    before = json.loads((cache / "embeddings.json").read_text())["dataset_fingerprint"]
+    main(shlex.split(command)[1:])
+    assert json.loads((cache / "embeddings.json").read_text())["dataset_fingerprint"] != before

@@ -7,8 +7,11 @@ loaded them, so the method hands them over through :meth:`PromptDataModule.conne
 
 from __future__ import annotations
 
+import shlex
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, Literal
 
 import lightning as L
@@ -18,8 +21,31 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.utils.data import DataLoader, Dataset
 
-from lit_rl.data.density import density_weights_for
+from lit_rl.data.density import EmbeddingCache, StaleEmbeddingCacheError, density_weights_for
 from lit_rl.data.tasks import arithmetic_prompts, read_records
+
+_SUBCOMMANDS = ("fit", "validate", "test", "predict")
+_SUBCOMMAND_OPTIONS = ("--ckpt_path", "--verbose", "--return_predictions")  # options `lit-rl embed` does not take
+
+
+def _embed_command(argv: Sequence[str]) -> str | None:
+    """``lit-rl embed`` with the arguments of this ``lit-rl fit ...`` process (``sys.argv``), so a stale
+    cache is rebuilt for exactly this run's configs and overrides; ``None`` when this process is not
+    the ``lit-rl`` command (called from Python, where the arguments are not known here)."""
+    if len(argv) < 2 or argv[1] not in _SUBCOMMANDS:
+        return None
+    prog = Path(argv[0])
+    if prog.name != "lit-rl" and (prog.name, prog.parent.name) != ("__main__.py", "lit_rl"):  # `python -m lit_rl`
+        return None
+    args, rest = [], list(argv[2:])
+    while rest:
+        arg = rest.pop(0)
+        if arg.split("=", 1)[0] in _SUBCOMMAND_OPTIONS:
+            if "=" not in arg and rest:
+                rest.pop(0)  # its value
+            continue
+        args.append(arg)
+    return shlex.join(["lit-rl", "embed", *args])
 
 
 class _Records(Dataset):
@@ -179,7 +205,7 @@ class PromptDataModule(L.LightningDataModule):
         records = self.prepare_records()
         weights = None
         if self.hparams.sampler == "density":
-            weights = self._density_weights(records)
+            weights = self._density_weights(records, rebuild_stale=False)
         sampler = WeightedStreamSampler(
             weights if weights is not None else np.ones(len(records)) / len(records),
             len(records),
@@ -193,8 +219,9 @@ class PromptDataModule(L.LightningDataModule):
     def build_density_cache(self) -> np.ndarray:
         """Write the prompt-embedding cache in ``density_cache_dir`` (what ``lit-rl embed`` runs).
 
-        A matching cache is reused. The density weights are computed too, so ``density_k`` is checked
-        and the effective sample size logged before a training run needs them.
+        A cache built for other prompts, model or settings is replaced (one log line says which file
+        and why); a matching one is reused. The density weights are computed too, so ``density_k``
+        is checked and the effective sample size logged before a training run needs them.
 
         Returns:
             ``[N]`` density weights summing to 1.
@@ -207,9 +234,9 @@ class PromptDataModule(L.LightningDataModule):
             raise MisconfigurationException(
                 "data.density_cache_dir is not set; set it to the folder the embeddings are written to"
             )
-        return self._density_weights(self.prepare_records())
+        return self._density_weights(self.prepare_records(), rebuild_stale=True)
 
-    def _density_weights(self, records: list[dict[str, Any]]) -> np.ndarray:
+    def _density_weights(self, records: list[dict[str, Any]], *, rebuild_stale: bool) -> np.ndarray:
         if self._embed_model is None or self.tokenizer is None:
             raise MisconfigurationException(
                 "data.sampler: density needs the policy model; the method must call "
@@ -217,17 +244,28 @@ class PromptDataModule(L.LightningDataModule):
             )
         hp = self.hparams
         start = time.perf_counter()
-        weights, stats = density_weights_for(
-            [self.format_prompt(r["prompt"]) for r in records],
-            model=self._embed_model(),
-            tokenizer=self.tokenizer,
-            k=hp.density_k,
-            pooling=hp.density_pooling,
-            backend=hp.density_backend,
-            cache_dir=hp.density_cache_dir,
-            model_id=self._model_id,
-            max_length=hp.max_prompt_length,
-        )
+        try:
+            weights, stats = density_weights_for(
+                [self.format_prompt(r["prompt"]) for r in records],
+                model=self._embed_model(),
+                tokenizer=self.tokenizer,
+                k=hp.density_k,
+                pooling=hp.density_pooling,
+                backend=hp.density_backend,
+                cache_dir=hp.density_cache_dir,
+                model_id=self._model_id,
+                max_length=hp.max_prompt_length,
+                overwrite=rebuild_stale,
+            )
+        except StaleEmbeddingCacheError as err:
+            command = _embed_command(sys.argv) or (
+                "`lit-rl embed` and the --config files and overrides of this run (`fit` replaced by `embed`)"
+            )
+            raise StaleEmbeddingCacheError(
+                f"data.density_cache_dir: the embedding cache {EmbeddingCache(hp.density_cache_dir).npy_path} "
+                f"was built for other prompts or settings ({err.reason}); rebuild it with: {command}",
+                reason=err.reason,
+            ) from None
         self.density_stats = stats
         self.density_weights = weights
         self._log_density(weights, stats)
@@ -235,6 +273,11 @@ class PromptDataModule(L.LightningDataModule):
             f"density sampling: {len(records)} prompts weighted in {time.perf_counter() - start:.1f}s, "
             f"effective sample size {stats.get('density/ess', float('nan')):.3f} of N"
         )
+        if hp.density_cache_dir is not None:
+            rank_zero_info(
+                f"embedding cache {EmbeddingCache(hp.density_cache_dir).npy_path}: {len(records)} prompts x "
+                f"{int(stats['density/dim'])} dims, {'reused' if stats['density/cache_hit'] else 'written'}"
+            )
         return weights
 
     def _log_density(self, weights: np.ndarray, stats: dict[str, float]) -> None:

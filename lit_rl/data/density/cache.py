@@ -22,7 +22,17 @@ IDENTITY_FIELDS = ("model", "pooling", "dim", "dtype", "count", "dataset_fingerp
 
 
 class StaleEmbeddingCacheError(ValueError):
-    """The cached embedding file was built for different prompts, model or settings."""
+    """The cached embedding file was built for different prompts, model or settings.
+
+    Args:
+        message: the whole message, with the fix.
+        reason: what differs (``"count: cached 24 != expected 23; ..."``), without the fix, so a
+            caller can say it in its own words.
+    """
+
+    def __init__(self, message: str, *, reason: str = "") -> None:
+        super().__init__(message)
+        self.reason = reason or message
 
 
 def dataset_fingerprint(texts: Iterable[str]) -> str:
@@ -95,7 +105,8 @@ class EmbeddingCache:
     def _stale(self, reason: str) -> StaleEmbeddingCacheError:
         return StaleEmbeddingCacheError(
             f"The embedding cache {self.npy_path} does not match this run: {reason}. "
-            f"Rebuild it with `lit-rl embed --config <your config>` or delete {self.npy_path} and {self.json_path}."
+            f"Rebuild it with `lit-rl embed --config <your config>` or delete {self.npy_path} and {self.json_path}.",
+            reason=reason,
         )
 
     def load(self, expected_metadata: dict[str, Any]) -> np.ndarray | None:

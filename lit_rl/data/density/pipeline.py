@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 
 from lit_rl.data.density.cache import EmbeddingCache, StaleEmbeddingCacheError, embedding_metadata
 from lit_rl.data.density.embed import embed_prompts
@@ -44,7 +45,8 @@ def embed_to_cache(
     """Load the cached embeddings of ``texts`` or compute and store them (what ``lit-rl embed`` runs).
 
     Args:
-        overwrite: rebuild a stale cache instead of raising (``lit-rl embed`` sets it).
+        overwrite: rebuild a stale cache instead of raising (``lit-rl embed`` sets it); one log line
+            says which file was replaced and why.
         others: as in :func:`embed_prompts`; ``model_id`` defaults to ``model.config.name_or_path``.
 
     Returns:
@@ -59,9 +61,10 @@ def embed_to_cache(
     )
     try:
         cached = cache.load(expected)
-    except StaleEmbeddingCacheError:
+    except StaleEmbeddingCacheError as err:
         if not overwrite:
             raise
+        rank_zero_info(f"replacing the stale embedding cache {cache.npy_path}: {err.reason}")
         cached = None
     if cached is not None:
         return cached, True
@@ -90,12 +93,14 @@ def density_weights_for(
     nprobe: int = 16,
     ivf_threshold: int = 200_000,
     seed: int = 0,
+    overwrite: bool = False,
 ) -> tuple[np.ndarray, dict[str, float]]:
     """Inverse-density sampling weights of ``texts``, embedding them with ``model`` or reusing a cache.
 
     With ``cache_dir`` a matching cache file is reused (the model is not run), a stale one is
-    refused with :class:`StaleEmbeddingCacheError`, and a missing one is written. Without it the
-    embeddings are computed in memory (``N * D`` values: 64 MB for 28k prompts at 576 dims, float32).
+    refused with :class:`StaleEmbeddingCacheError` (or rebuilt with ``overwrite``), and a missing
+    one is written. Without it the embeddings are computed in memory (``N * D`` values: 64 MB for
+    28k prompts at 576 dims, float32).
 
     Args:
         texts: the formatted prompts, in dataset order.
@@ -106,6 +111,7 @@ def density_weights_for(
         backend, nprobe, ivf_threshold, seed: see :func:`inverse_density_weights`.
         cache_dir: folder of the offline :class:`EmbeddingCache`.
         model_id: the model's name or path, recorded in and checked against the cache metadata.
+        overwrite: rebuild a stale cache instead of raising (what ``lit-rl embed`` does).
 
     Returns:
         ``(weights [N] float64 summing to 1, stats)`` where ``stats`` holds ``density/ess``,
@@ -114,7 +120,8 @@ def density_weights_for(
         ``density/cache_hit`` (1.0 when the embeddings came from the cache).
 
     Raises:
-        StaleEmbeddingCacheError: the cache exists but was built for other prompts, model or settings.
+        StaleEmbeddingCacheError: the cache exists but was built for other prompts, model or settings,
+            and ``overwrite`` is ``False``.
         ValueError: ``k >= len(texts)``, or ``model`` is ``None`` and no cache can be reused.
     """
     n = len(texts)
@@ -127,7 +134,12 @@ def density_weights_for(
                 texts, model_id=_model_id(model, model_id) if model is not None else model_id, pooling=pooling,
                 dtype=dtype, max_length=max_length,
             )  # fmt: skip
-            emb = cache.load(expected)
+            try:
+                emb = cache.load(expected)
+            except StaleEmbeddingCacheError:
+                if not overwrite:
+                    raise
+                emb = None  # embed_to_cache below says that it replaces it, and why
             hit = emb is not None
             if emb is None:
                 if model is None:
@@ -135,6 +147,7 @@ def density_weights_for(
                 emb, _ = embed_to_cache(
                     texts, model=model, tokenizer=tokenizer, cache_dir=cache_dir, model_id=expected["model"],
                     pooling=pooling, batch_size=batch_size, max_length=max_length, dtype=dtype, progress=progress,
+                    overwrite=overwrite,
                 )  # fmt: skip
         else:
             if model is None:
