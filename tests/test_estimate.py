@@ -11,43 +11,38 @@ import pytest
 import torch
 
 from lit_rl.callbacks import ActivationCheckpointing, MemoryProfiler
+from lit_rl.cli import main as cli_main
 from lit_rl.data import PromptDataModule
 from lit_rl.memory.estimate import (
     BUILTIN_SHAPES,
     estimate_for_trainer,
-    estimate_savings,
     estimate_step,
-    main,
     model_config_for,
     parse_bytes,
     trainer_settings,
 )
-from lit_rl.memory.phases import PHASES
+from lit_rl.memory.fit import estimate_savings
 from lit_rl.methods import RefCachedGRPO
 from lit_rl.models import LoraSettings
 from lit_rl.testing import tiny_model, tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = dict(name_or_path="tiny:llama", num_generations=4, max_new_tokens=6, learning_rate=1e-3)
+PHASES = RefCachedGRPO.phase_names
+
+
+def main(args: list[str]) -> None:
+    cli_main(["estimate", *args])
 
 
 def _method(**kw) -> RefCachedGRPO:
     return RefCachedGRPO(**{**TINY, **kw})
 
 
-class _ResidentProfiler(MemoryProfiler):
-    """Also registers the frozen reference copy, which is not a submodule of the method."""
-
-    def _open_tracker(self, trainer, pl_module) -> None:
-        super()._open_tracker(trainer, pl_module)
-        if self._tracker is not None and pl_module.reference is not None:
-            self._tracker.track(pl_module.reference)
-
-
 def _measure(method: RefCachedGRPO, data: PromptDataModule, root: Path, steps: int = 2, **trainer_kw):
     """Real steps with full-length generations; returns the trainer, the profiler's records and each step's prompt
     shape (width, padded)."""
-    profiler = _ResidentProfiler()
+    profiler = MemoryProfiler()  # the frozen reference copy is a submodule: counted like the policy
     shapes = []
     rollout = method.rollout
 
@@ -56,7 +51,7 @@ def _measure(method: RefCachedGRPO, data: PromptDataModule, root: Path, steps: i
         return rollout(batch)
 
     method.rollout = recording
-    method._eos_ids = lambda: [method.policy.get_output_embeddings().weight.shape[0]]  # never sampled
+    method.eos_ids = lambda: [method.policy.get_output_embeddings().weight.shape[0]]  # never sampled
     trainer = L.Trainer(
         max_steps=steps,
         accelerator="cpu",

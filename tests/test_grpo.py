@@ -110,7 +110,7 @@ def test_lora_disabled_reference_is_exactly_the_base_model():
     ids = torch.randint(3, 90, (2, 8))
     mask = torch.ones_like(ids)
     rollout = Rollout(ids, mask, torch.ones(2, 3), 5, torch.zeros(2), torch.zeros(2))
-    ref = method._micro_batched_logp(method._reference_model(), rollout)
+    ref = method.reference_logp(rollout)
     expected = method.completion_stats(base.eval(), ids, mask, 5, temperature=1.0).logp
     assert torch.equal(ref, expected)
     adapted = method.completion_stats(method.policy, ids, mask, 5, temperature=1.0).logp

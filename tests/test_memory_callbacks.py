@@ -13,12 +13,13 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.utils.data import DataLoader, TensorDataset
 
 from lit_rl.callbacks import ActivationCheckpointing, EmptyCache, MemoryProfiler, OOMReport
-from lit_rl.memory.phases import PHASES, PhaseTracker
+from lit_rl.memory.phases import PhaseTracker
 from lit_rl.memory.tracker import TensorMemoryTracker
 from lit_rl.testing import tiny_model
 
 GIB = 2**30
 ROOT = Path(__file__).resolve().parents[1]
+PHASES = ("rollout", "reference", "policy_forward", "backward", "optimizer")  # TinyMethod's phases
 
 
 class CaptureLogger(Logger):
@@ -60,7 +61,7 @@ class TinyMethod(LightningModule):
     def __init__(self, num_layers=2, fail_in=None, error=None, predicted=None, in_configure_model=False):
         super().__init__()
         self.automatic_optimization = False
-        self.phases = PhaseTracker()
+        self.phases = PhaseTracker(PHASES)
         self.num_layers = num_layers
         self.fail_in = fail_in
         self.error = error or torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
@@ -193,9 +194,9 @@ def test_profiler_rss_only_without_tracking(tmp_path):
 
 
 def test_profiler_falls_back_to_getrusage_and_says_so(tmp_path, monkeypatch):
-    import lit_rl.callbacks.memory_profiler as mp
+    import lit_rl.memory.rss as rss
 
-    monkeypatch.setattr(mp, "_reset_vmhwm", lambda: False)
+    monkeypatch.setattr(rss, "reset_peak_rss", lambda: False)
     capture = CaptureLogger(tmp_path)
     with pytest.warns(UserWarning, match="getrusage"):
         _trainer(tmp_path, [MemoryProfiler()], logger=capture).fit(TinyMethod())
@@ -255,7 +256,7 @@ def _fake_cuda_run(monkeypatch, callback):
         default_root_dir=None,
         optimizers=[],
     )
-    module = SimpleNamespace(phases=PhaseTracker(), predicted_memory={"policy_forward": 4 * GIB})
+    module = SimpleNamespace(phases=PhaseTracker(PHASES), predicted_memory={"policy_forward": 4 * GIB})
     alloc = FakeAllocator(monkeypatch)
     callback.setup(trainer, module, "fit")
     return trainer, module, alloc

@@ -7,13 +7,13 @@ Recomputes each decoder layer's activations in the backward pass instead of keep
 
 from __future__ import annotations
 
-from typing import Any
-
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks.callback import Callback
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
+
+from lit_rl.models.checkpointing import enable_activation_checkpointing
 
 
 class ActivationCheckpointing(Callback):
@@ -76,6 +76,10 @@ class ActivationCheckpointing(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._enable(trainer, pl_module)
 
+    def estimate_settings(self) -> dict[str, int]:
+        """What the memory estimator must apply to predict a run with this callback."""
+        return {"activation_checkpointing": self.every_n_layers}
+
     def _enable(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         model = getattr(pl_module, self.attribute, None)
         if model is None:
@@ -93,36 +97,12 @@ class ActivationCheckpointing(Callback):
                 f"{trainer.strategy.root_device}, so offloading is skipped."
             )
             offload = False
-        if not getattr(base, "supports_gradient_checkpointing", False):
-            raise MisconfigurationException(
-                f"ActivationCheckpointing: {type(base).__name__} does not support activation checkpointing "
-                "(it is not a transformers PreTrainedModel, or its architecture sets "
-                "`supports_gradient_checkpointing = False`); remove the callback or use a supported model."
-            )
-        self._call_enable(base, offload)
-        if any(not p.requires_grad for p in base.parameters()) and not getattr(base, "_require_grads_hooks", None):
-            # frozen embeddings (LoRA): without this the checkpointed layers see inputs that need no grad
-            base.enable_input_require_grads()
+        try:
+            layers = enable_activation_checkpointing(model, self.every_n_layers, offload)
+        except ValueError as err:  # unsupported architecture, or an old transformers
+            raise MisconfigurationException(f"ActivationCheckpointing: {err}") from err
         self._enabled_on = id(model)
-        layers = sum(1 for m in base.modules() if getattr(m, "gradient_checkpointing", False))
         rank_zero_info(
             f"ActivationCheckpointing: {layers} module(s) of {type(base).__name__} checkpointed "
             f"(every_n_layers={self.every_n_layers}, offload={offload})."
         )
-
-    def _call_enable(self, base: Any, offload: bool) -> None:
-        kwargs = {"use_reentrant": False}
-        try:
-            if hasattr(base, "activation_checkpointing_enable"):  # transformers >= 5
-                base.activation_checkpointing_enable(
-                    activation_checkpointing_kwargs=kwargs, every_n_layers=self.every_n_layers, offload=offload
-                )
-            elif self.every_n_layers == 1 and not offload:
-                base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-            else:
-                raise MisconfigurationException(
-                    "ActivationCheckpointing: `every_n_layers` and `offload` need transformers 5 "
-                    "(`activation_checkpointing_enable`); upgrade transformers or use the defaults."
-                )
-        except ValueError as err:  # transformers' "is not compatible with gradient checkpointing"
-            raise MisconfigurationException(f"ActivationCheckpointing: {err}") from err

@@ -16,9 +16,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lit_rl.memory.phases import PHASES
-
-GIB = 2**30
+from lit_rl.memory.units import GIB
 
 
 class EmptyCache(Callback):
@@ -43,14 +41,15 @@ class EmptyCache(Callback):
     - ``memory/empty_cache/freed_gib``: reserved memory before minus after, summed over the step's calls
 
     Args:
-        phases: the phases at whose boundary the cache is emptied; any of ``rollout``, ``reference``,
-            ``policy_forward``, ``backward``, ``optimizer``.
+        phases: the phases at whose boundary the cache is emptied: any the method declares
+            (``pl_module.phases.names``; for GRPO ``rollout``, ``reference``, ``policy_forward``,
+            ``backward``, ``optimizer``).
         when: ``"end"`` (after the phase, releasing what it left behind) or ``"start"`` (before it).
 
     Raises:
         MisconfigurationException:
-            If a phase name is unknown, ``when`` is neither ``"start"`` nor ``"end"``, or the
-            LightningModule has no ``phases`` attribute.
+            If a phase name is not one the method declares, ``when`` is neither ``"start"`` nor ``"end"``, or
+            the LightningModule has no ``phases`` attribute.
 
     Example::
 
@@ -72,11 +71,6 @@ class EmptyCache(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        unknown = [p for p in self.phases if p not in PHASES]
-        if unknown:
-            raise MisconfigurationException(
-                f"EmptyCache(phases={self.phases}): unknown phase(s) {unknown}; use any of {list(PHASES)}."
-            )
         if self.when not in ("start", "end"):
             raise MisconfigurationException(f"EmptyCache(when={self.when!r}): use 'start' or 'end'.")
         tracker = getattr(pl_module, "phases", None)
@@ -84,6 +78,13 @@ class EmptyCache(Callback):
             raise MisconfigurationException(
                 f"EmptyCache needs `{type(pl_module).__name__}.phases` (a lit_rl.memory.phases.PhaseTracker) to know "
                 "the phase boundaries; use a lit-rl method or remove the EmptyCache callback."
+            )
+        declared = list(getattr(tracker, "names", ()))
+        unknown = [p for p in self.phases if p not in declared]
+        if unknown:
+            raise MisconfigurationException(
+                f"EmptyCache(phases={self.phases}): unknown phase(s) {unknown}; {type(pl_module).__name__} "
+                f"declares {declared}."
             )
         self._device = trainer.strategy.root_device
         self._cuda = self._device.type == "cuda" and torch.cuda.is_available()

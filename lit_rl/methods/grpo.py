@@ -16,16 +16,17 @@ DAPO (see :mod:`lit_rl.losses`). How it differs from a textbook implementation, 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
 from transformers import GenerationConfig
 
-from lit_rl.data.rewards import resolve_reward_fn, score
 from lit_rl.losses import LOSS_TYPES, SCALE_REWARDS, frac_zero_std, group_advantages, grpo_loss, masked_mean
+from lit_rl.memory.phases import BACKWARD, OPTIMIZER
 from lit_rl.methods.base import RLMethod
-from lit_rl.models import LoraSettings
+from lit_rl.models import lm_head, trunk
+from lit_rl.ops import TokenStats, token_stats
+from lit_rl.ops.token_math import LOGITS_BUDGET_BYTES, plan_chunks
 
 
 @dataclass
@@ -56,10 +57,12 @@ class Rollout:
 class RefCachedGRPO(RLMethod):
     """Group Relative Policy Optimization with a cached reference pass and logits-free log-probs.
 
+    **Phases**: ``rollout``, ``reference``, ``policy_forward``, ``backward``, ``optimizer``.
+
     **Logged Metrics**: ``reward/mean``, ``reward/std``, ``reward/<function>/mean``, ``kl/mean``,
     ``clip_ratio/low_mean``, ``clip_ratio/high_mean``, ``clip_ratio/region_mean``, ``entropy/mean``,
     ``completions/mean_length``, ``completions/clipped_ratio``, ``frac_reward_zero_std``, ``loss``,
-    ``prompts/truncated``, ``train/nonfinite_steps``, ``time/<phase>_s``.
+    ``prompts/truncated``, ``train/nonfinite_steps``, ``metric/<function>/mean``, ``time/<phase>_s``.
 
     Args:
         reward_funcs: import paths of reward functions, each returning one float per completion.
@@ -74,12 +77,9 @@ class RefCachedGRPO(RLMethod):
         loss_type: ``grpo``, ``bnpo``, ``dr_grpo`` or ``dapo``.
         scale_rewards: ``group``, ``batch`` or ``none`` (Dr. GRPO).
         num_iterations: optimizer steps per rollout batch; above 1 the old log-probs are cached too.
-        micro_batch_size: completions per policy forward; ``null`` does the whole rollout at once.
-            Smaller means a lower activation peak, at more passes per step.
         mask_truncated_completions: completions that hit ``max_new_tokens`` without EOS get no gradient.
         chunk_size: tokens per logits chunk in the token math; ``null`` picks it from a 64 MiB budget.
-        max_nonfinite_steps: stop the run after this many non-finite losses in a row (each is skipped).
-        **kwargs: model and optimizer settings, see :class:`~lit_rl.methods.base.RLMethod`.
+        **kwargs: model, optimizer, micro-batch and metric settings, see :class:`~lit_rl.methods.base.RLMethod`.
 
     Raises:
         ValueError: at construction, for settings that cannot work (named in the message).
@@ -88,6 +88,8 @@ class RefCachedGRPO(RLMethod):
 
         lit-rl fit --config configs/grpo.yaml --model.beta 0 --trainer.max_steps 5
     """
+
+    phase_names: ClassVar[tuple[str, ...]] = ("rollout", "reference", "policy_forward", BACKWARD, OPTIMIZER)
 
     def __init__(
         self,
@@ -103,45 +105,26 @@ class RefCachedGRPO(RLMethod):
         loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo",
         scale_rewards: Literal["group", "batch", "none"] = "group",
         num_iterations: int = 1,
-        micro_batch_size: int | None = None,
         mask_truncated_completions: bool = False,
         chunk_size: int | None = None,
-        max_nonfinite_steps: int = 3,
-        name_or_path: str = "embedded",
-        gguf_file: str | None = None,
-        dtype: str = "float32",
-        trust_remote_code: bool = False,
-        lora: LoraSettings | None = None,
-        learning_rate: float = 1e-6,
-        weight_decay: float = 0.0,
-        max_grad_norm: float = 1.0,
+        **kwargs: Any,
     ) -> None:
-        super().__init__(
-            name_or_path=name_or_path,
-            gguf_file=gguf_file,
-            dtype=dtype,
-            trust_remote_code=trust_remote_code,
-            lora=lora,
-            learning_rate=learning_rate,
-            weight_decay=weight_decay,
-            max_grad_norm=max_grad_norm,
-        )
-        self.save_hyperparameters()
+        super().__init__(**kwargs)
         self._check_settings()
         paths = self._default_rewards() if reward_funcs is None else list(reward_funcs)
-        self.reward_names = [p.replace(":", ".").rsplit(".", 1)[-1] for p in paths]
-        self.reward_fns = [resolve_reward_fn(p, field=f"model.reward_funcs[{i}]") for i, p in enumerate(paths)]
+        self.reward_names, self.reward_fns = self.resolve_functions(paths, "model.reward_funcs")
         weights = reward_weights if reward_weights is not None else [1.0] * len(paths)
         if len(weights) != len(paths):
             raise ValueError(f"model.reward_weights has {len(weights)} entries for {len(paths)} reward_funcs")
         self.register_buffer("reward_weights", torch.tensor(weights, dtype=torch.float32), persistent=False)
-        self._nonfinite_in_a_row = 0
-        self._nonfinite_total = 0
-        self.__dict__["reference"] = None  # a frozen copy for full fine-tuning; kept out of the checkpoint
 
     @staticmethod
     def _default_rewards() -> list[str]:
         return ["lit_rl.data.rewards.correct_answer"]
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.hparams.beta > 0
 
     def _check_settings(self) -> None:
         hp = self.hparams
@@ -160,22 +143,10 @@ class RefCachedGRPO(RLMethod):
             )
         if hp.beta < 0:
             raise ValueError(f"model.beta must be >= 0, got {hp.beta}")
-        if hp.num_iterations < 1 or hp.max_new_tokens < 1 or hp.max_nonfinite_steps < 1:
-            raise ValueError("model.num_iterations, model.max_new_tokens and model.max_nonfinite_steps must be >= 1")
-        if hp.micro_batch_size is not None and hp.micro_batch_size < 1:
-            raise ValueError(f"model.micro_batch_size must be >= 1 or null, got {hp.micro_batch_size}")
+        if hp.num_iterations < 1 or hp.max_new_tokens < 1:
+            raise ValueError("model.num_iterations and model.max_new_tokens must be >= 1")
         if not 0 < hp.top_p <= 1 or hp.temperature <= 0:
             raise ValueError("model.top_p must be in (0, 1] and model.temperature > 0")
-
-    # ------------------------------------------------------------------ setup
-    def configure_model(self) -> None:
-        super().configure_model()
-        if self.hparams.beta > 0 and not self.uses_lora and self.reference is None:
-            self.__dict__["reference"] = self.frozen_copy()
-
-    def on_fit_start(self) -> None:
-        if self.reference is not None:
-            self.reference.to(self.device, dtype=next(self.policy.parameters()).dtype)
 
     # ------------------------------------------------------------------ rollout
     @torch.no_grad()
@@ -189,7 +160,7 @@ class RefCachedGRPO(RLMethod):
         hp = self.hparams
         input_ids = input_ids.repeat_interleave(hp.num_generations, dim=0)  # [B*G, P]
         attention_mask = attention_mask.repeat_interleave(hp.num_generations, dim=0)  # [B*G, P]
-        eos = self._eos_ids()
+        eos = self.eos_ids()
         # a fresh config: checkpoint defaults (top_k=50, repetition penalties) would bias the samples
         config = GenerationConfig(
             do_sample=True,
@@ -216,26 +187,15 @@ class RefCachedGRPO(RLMethod):
         completion_mask = (positions[None, :] <= first_eos[:, None]).float()  # [B*G, C]
         return sequences, completion_mask
 
-    def _eos_ids(self) -> list[int]:
-        ids = {self.tokenizer.eos_token_id}
-        config_eos = getattr(self.policy.generation_config, "eos_token_id", None)
-        ids.update(config_eos if isinstance(config_eos, list) else [config_eos])
-        return sorted(i for i in ids if i is not None)
-
     def compute_rewards(self, completions: list[str], batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
         """Weighted sum of the reward functions ``[B*G]`` and per-function means."""
-        per_fn = self.score_functions(self.reward_fns, self.reward_names, completions, batch)  # [B*G, F]
-        rewards = per_fn @ self.reward_weights.float().cpu()  # [B*G]; bf16-true casts buffers, rewards stay float32
+        per_fn = self.score_functions(
+            self.reward_fns, self.reward_names, completions, batch, self.hparams.num_generations
+        )  # [B*G, F]
+        # [B*G] in float32: bf16-true casts buffers, and a matmul under bf16-mixed autocast would round the rewards
+        rewards = (per_fn * self.reward_weights.float().cpu()).sum(dim=1)
         means = {f"reward/{name}/mean": per_fn[:, i].mean().item() for i, name in enumerate(self.reward_names)}
         return rewards, means
-
-    def score_functions(self, fns, names, completions: list[str], batch: dict[str, Any]) -> torch.Tensor:
-        """Each function's scores, checked, as columns ``[B*G, F]`` (``F`` may be 0)."""
-        g = self.hparams.num_generations
-        answers = [a for a in batch["answers"] for _ in range(g)]
-        prompts = [p for p in batch["prompts"] for _ in range(g)]
-        columns = [score(fn, name, completions, answers, prompts) for fn, name in zip(fns, names)]
-        return torch.stack(columns, dim=1) if columns else torch.zeros(len(completions), 0)
 
     def rollout(self, batch: dict[str, Any]) -> tuple[Rollout, dict[str, float]]:
         """Generate and score with the reward functions: phase ``rollout``."""
@@ -245,11 +205,9 @@ class RefCachedGRPO(RLMethod):
             prompt_length = batch["input_ids"].shape[1]
             completion_ids = sequences[:, prompt_length:]  # [B*G, C]
             lengths = completion_mask.sum(1)  # [B*G]
-            completions = [
-                self.tokenizer.decode(ids[:n], skip_special_tokens=True)
-                for ids, n in zip(completion_ids.tolist(), lengths.long().tolist())
-            ]
+            completions = self.decode(completion_ids, lengths)
             rewards, metrics = self.compute_rewards(completions, batch)
+            metrics.update(self.metric_scores(completions, batch, hp.num_generations))
             rewards = rewards.to(self.device)
             truncated = completion_mask[:, -1].bool() & ~self._ended_with_eos(completion_ids)  # [B*G]
             if hp.mask_truncated_completions:
@@ -286,8 +244,73 @@ class RefCachedGRPO(RLMethod):
         }
 
     def _ended_with_eos(self, completion_ids: torch.Tensor) -> torch.Tensor:
-        eos = torch.tensor(self._eos_ids(), device=completion_ids.device)
+        eos = torch.tensor(self.eos_ids(), device=completion_ids.device)
         return torch.isin(completion_ids, eos).any(1)  # [B*G]
+
+    # ------------------------------------------------------------------ token math
+    def completion_stats(
+        self,
+        model: torch.nn.Module,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        prompt_length: int,
+        *,
+        temperature: float,
+        entropy: bool = True,
+        self_certainty: bool = False,
+        chunk_size: int | None = None,
+    ) -> TokenStats:
+        """Log-probs (and entropy / self-certainty) of the completion tokens, without ``[B, T, V]`` logits.
+
+        ``input_ids`` is prompt + completion ``[B, P + C]``; the hidden state at position ``t`` predicts
+        token ``t + 1``, so positions ``P - 1 .. P + C - 2`` score the ``C`` completion tokens.
+        """
+        # positions follow the attention mask, as in generate(): left padding must not shift them
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [B, L]
+        hidden = trunk(model)(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).last_hidden_state  # [B, L, H]
+        hidden = hidden[:, prompt_length - 1 : -1]  # [B, C, H]
+        targets = input_ids[:, prompt_length:]  # [B, C]
+        head = lm_head(model)
+        return token_stats(
+            hidden,
+            head.weight,
+            targets,
+            temperature=temperature,
+            bias=head.bias,
+            chunk_size=chunk_size,
+            entropy=entropy,
+            self_certainty=self_certainty,
+        )
+
+    def memory_components(self, policy_shape: dict[str, int]) -> list[tuple[str, str, int, str]]:
+        s = policy_shape
+        b, c, mb = s["batch"], s["new_tokens"], s["micro_batch"]
+        seq = s["prompt_length"] + c
+        tc, vc = plan_chunks(mb * c, s["vocab"], s["hidden"], self.hparams.chunk_size, None, LOGITS_BUDGET_BYTES)
+        full = mb * c * s["vocab"] * 4
+        caches = [n for n, on in (("reference", self.hparams.beta > 0), ("old", self.hparams.num_iterations > 1)) if on]
+        rows = [
+            (
+                "rollout tensors",
+                f"ids + mask [{b}, {seq}] int64, completion mask [{b}, {c}] fp32",
+                b * seq * 16 + b * c * 4,
+                "",
+            ),
+        ]
+        rows += [
+            (f"{name} log-probs cache", f"[{b}, {c}] fp32", b * c * 4, "instead of [B, T, V] logits") for name in caches
+        ]
+        return rows + [
+            ("logits chunk (token math)", f"[{tc}, {vc}] fp32", tc * vc * 4, "about two live at a time"),
+            (
+                "full logits (never allocated)",
+                f"[{s['micro_batch']}, {s['new_tokens']}, {s['vocab']}] fp32",
+                full,
+                "what a logits-based loss would hold per micro-batch",
+            ),
+        ]
 
     # ------------------------------------------------------------------ cached passes
     @torch.no_grad()
@@ -298,46 +321,28 @@ class RefCachedGRPO(RLMethod):
             return  # nothing to cache: no KL term and the update is on-policy
         with self.phases("reference"):
             if hp.beta > 0:
-                rollout.ref_logp = self._micro_batched_logp(self._reference_model(), rollout)
+                rollout.ref_logp = self.reference_logp(rollout)
             if hp.num_iterations > 1:
-                rollout.old_logp = self._micro_batched_logp(self.policy, rollout)
+                rollout.old_logp = self.micro_batched_stats(self.policy, rollout)[0]
 
-    def _reference_model(self):
-        """The reference: the base model with LoRA adapters disabled, or the frozen copy."""
-        if self.uses_lora:
-            return _AdapterDisabled(self.policy)
-        return self.reference
+    def reference_logp(self, rollout: Rollout) -> torch.Tensor:
+        """Log-probs ``[B*G, C]`` of the completions under the reference, in micro-batches, without gradient."""
+        with self.as_reference() as reference:
+            return self.micro_batched_stats(reference, rollout)[0]
 
-    def _micro_batched_logp(self, model, rollout: Rollout) -> torch.Tensor:
-        return self._micro_batched_stats(model, rollout)[0]
-
-    def _micro_batched_stats(
+    def micro_batched_stats(
         self, model, rollout: Rollout, *, self_certainty: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs ``[B*G, C]`` (and per-token self-certainty) in micro-batches, without gradient."""
         logps, certainties = [], []
-        for sl in self._micro_batches(len(rollout)):
+        for sl in self.micro_batches(len(rollout)):
             stats = self._stats(model, rollout, sl, entropy=False, self_certainty=self_certainty)
             logps.append(stats.logp)
             certainties.append(stats.self_certainty)
         return torch.cat(logps), torch.cat(certainties) if self_certainty else None
 
-    def _stats(self, model, rollout: Rollout, sl: slice, **kw):
-        if isinstance(model, _AdapterDisabled):
-            with model.policy.disable_adapter():
-                return self.completion_stats(
-                    model.policy,
-                    rollout.input_ids[sl],
-                    rollout.attention_mask[sl],
-                    rollout.prompt_length,
-                    temperature=self.hparams.temperature,
-                    chunk_size=self.hparams.chunk_size,
-                    **kw,
-                )
-        was_training = model.training
-        if model is not self.policy:
-            model.eval()
-        out = self.completion_stats(
+    def _stats(self, model, rollout: Rollout, sl: slice, **kw) -> TokenStats:
+        return self.completion_stats(
             model,
             rollout.input_ids[sl],
             rollout.attention_mask[sl],
@@ -346,12 +351,6 @@ class RefCachedGRPO(RLMethod):
             chunk_size=self.hparams.chunk_size,
             **kw,
         )
-        model.train(was_training)
-        return out
-
-    def _micro_batches(self, n: int) -> list[slice]:
-        size = self.hparams.micro_batch_size or n
-        return [slice(i, min(i + size, n)) for i in range(0, n, size)]
 
     # ------------------------------------------------------------------ update
     def policy_loss(self, rollout: Rollout, sl: slice, num_items: float) -> tuple[torch.Tensor, dict[str, float]]:
@@ -377,67 +376,22 @@ class RefCachedGRPO(RLMethod):
         loss_stats["entropy/mean"] = masked_mean(stats.entropy.detach(), mask).item()
         return loss, loss_stats
 
-    def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
-        hp = self.hparams
+    def train_step(self, batch: dict[str, Any]) -> tuple[dict[str, float], int]:
         rollout, metrics = self.rollout(batch)
         metrics.update(self.score_rollout(rollout) or {})
         metrics.update(self.compute_advantages(rollout))
         # dapo: every completion token of the optimizer step weighs the same, across micro-batches and
         # ranks; DDP averages gradients over ranks, hence the division by world_size
-        tokens = self.trainer.strategy.reduce(rollout.completion_mask.sum(), reduce_op="sum")
-        num_items = float(tokens) / self.trainer.world_size
-        optimizer = self.optimizers()
+        num_items = float(self.reduce_sum(rollout.completion_mask.sum())) / self.world_size
+
+        def loss_fn(sl: slice) -> tuple[torch.Tensor, dict[str, float]]:
+            with self.phases("policy_forward"):
+                return self.policy_loss(rollout, sl, num_items)
+
         step_stats: list[dict[str, float]] = []
-        for _ in range(hp.num_iterations):
-            total = 0.0
-            finite = True
-            for sl in self._micro_batches(len(rollout)):
-                with self.phases("policy_forward"):
-                    loss, stats = self.policy_loss(rollout, sl, num_items)
-                if not torch.isfinite(loss):
-                    finite = False
-                    break
-                with self.phases("backward"):
-                    self.manual_backward(loss)
-                total += loss.item()
-                step_stats.append(stats)
-            with self.phases("optimizer"):
-                if finite:
-                    if hp.max_grad_norm > 0:
-                        self.clip_gradients(
-                            optimizer, gradient_clip_val=hp.max_grad_norm, gradient_clip_algorithm="norm"
-                        )
-                    optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            self._track_nonfinite(finite)
-            metrics["loss"] = total if finite else float("nan")
+        for _ in range(self.hparams.num_iterations):
+            metrics["loss"], stats = self.update(len(rollout), loss_fn)
+            step_stats += stats
         for key in step_stats[0] if step_stats else []:
             metrics[key] = sum(s[key] for s in step_stats) / len(step_stats)
-        metrics["train/nonfinite_steps"] = float(self._nonfinite_total)
-        self.log_dict(metrics, on_step=True, prog_bar=False, batch_size=len(rollout))
-        self.log("reward", metrics["reward/mean"], prog_bar=True, logger=False, batch_size=len(rollout))
-        self.log_phase_times(len(rollout))
-
-    def _track_nonfinite(self, finite: bool) -> None:
-        if finite:
-            self._nonfinite_in_a_row = 0
-            return
-        self._nonfinite_in_a_row += 1
-        self._nonfinite_total += 1
-        rank_zero_warn(
-            f"non-finite loss at step {self.global_step}: update skipped ({self._nonfinite_in_a_row} in a row)"
-        )
-        if self._nonfinite_in_a_row >= self.hparams.max_nonfinite_steps:
-            raise FloatingPointError(
-                f"{self._nonfinite_in_a_row} non-finite losses in a row (model.max_nonfinite_steps="
-                f"{self.hparams.max_nonfinite_steps}); lower model.learning_rate, use trainer.precision: bf16-mixed "
-                "instead of 16-bit weights, or raise max_nonfinite_steps"
-            )
-
-
-@dataclass
-class _AdapterDisabled:
-    """Marks "the policy with its LoRA adapters disabled" as a model to score with."""
-
-    policy: torch.nn.Module
-    training: bool = False
+        return metrics, len(rollout)

@@ -23,18 +23,18 @@ How this implementation differs from the reference code, and why:
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
-from lit_rl.data.rewards import resolve_reward_fn
 from lit_rl.losses import masked_mean
 from lit_rl.methods.grpo import RefCachedGRPO, Rollout
-from lit_rl.models import LoraSettings
 
 
 class Intuitor(RefCachedGRPO):
     """GRPO whose reward is self-certainty (plus optional weighted external rewards).
+
+    **Phases**: those of :class:`RefCachedGRPO`; self-certainty is computed in ``reference``.
 
     **Logged Metrics**: everything :class:`RefCachedGRPO` logs, plus ``self_certainty/mean``,
     ``self_certainty/std`` (over completions) and ``metric/<function>/mean`` for each ``metric_funcs``.
@@ -42,9 +42,8 @@ class Intuitor(RefCachedGRPO):
     Args:
         self_certainty_weight: weight of self-certainty in the reward.
         reward_funcs: optional external rewards (import paths), added with ``reward_weights``; none by default.
-        metric_funcs: reward-shaped functions that are logged, never used as reward.
         beta: KL coefficient to the reference; 0.005 in the paper's configuration.
-        **kwargs: everything else as in :class:`RefCachedGRPO`.
+        **kwargs: everything else as in :class:`RefCachedGRPO` (``metric_funcs`` are logged, never rewarded).
 
     Example::
 
@@ -55,54 +54,12 @@ class Intuitor(RefCachedGRPO):
         self,
         self_certainty_weight: float = 1.0,
         reward_funcs: list[str] | None = None,
-        reward_weights: list[float] | None = None,
-        metric_funcs: list[str] | None = None,
-        num_generations: int = 4,
-        max_new_tokens: int = 32,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
         beta: float = 0.005,
-        epsilon_low: float = 0.2,
-        epsilon_high: float = 0.2,
-        loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo",
-        scale_rewards: Literal["group", "batch", "none"] = "group",
-        num_iterations: int = 1,
-        micro_batch_size: int | None = None,
-        mask_truncated_completions: bool = False,
-        chunk_size: int | None = None,
-        max_nonfinite_steps: int = 3,
-        name_or_path: str = "embedded",
-        gguf_file: str | None = None,
-        dtype: str = "float32",
-        trust_remote_code: bool = False,
-        lora: LoraSettings | None = None,
-        learning_rate: float = 1e-6,
-        weight_decay: float = 0.0,
-        max_grad_norm: float = 1.0,
+        **kwargs: Any,
     ) -> None:
-        super().__init__(
-            reward_funcs=reward_funcs if reward_funcs is not None else [],
-            reward_weights=reward_weights, num_generations=num_generations, max_new_tokens=max_new_tokens,
-            temperature=temperature, top_p=top_p, beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
-            loss_type=loss_type, scale_rewards=scale_rewards, num_iterations=num_iterations,
-            micro_batch_size=micro_batch_size, mask_truncated_completions=mask_truncated_completions,
-            chunk_size=chunk_size, max_nonfinite_steps=max_nonfinite_steps, name_or_path=name_or_path,
-            gguf_file=gguf_file, dtype=dtype, trust_remote_code=trust_remote_code, lora=lora,
-            learning_rate=learning_rate, weight_decay=weight_decay, max_grad_norm=max_grad_norm,
-        )  # fmt: skip
-        self.save_hyperparameters()
-        paths = list(metric_funcs or [])
-        self.metric_names = [p.replace(":", ".").rsplit(".", 1)[-1] for p in paths]
-        self.metric_fns = [resolve_reward_fn(p, field=f"model.metric_funcs[{i}]") for i, p in enumerate(paths)]
+        super().__init__(reward_funcs=reward_funcs if reward_funcs is not None else [], beta=beta, **kwargs)
         if self_certainty_weight == 0 and not self.reward_fns:
             raise ValueError("model.self_certainty_weight is 0 and there are no reward_funcs: nothing to learn from")
-
-    def rollout(self, batch: dict[str, Any]) -> tuple[Rollout, dict[str, float]]:
-        rollout, metrics = super().rollout(batch)
-        if self.metric_fns:
-            scores = self.score_functions(self.metric_fns, self.metric_names, rollout.completions, batch)
-            metrics.update({f"metric/{n}/mean": scores[:, i].mean().item() for i, n in enumerate(self.metric_names)})
-        return rollout, metrics
 
     @torch.no_grad()
     def score_rollout(self, rollout: Rollout) -> dict[str, float]:
@@ -110,8 +67,8 @@ class Intuitor(RefCachedGRPO):
         hp = self.hparams
         with self.phases("reference"):
             if hp.beta > 0:
-                rollout.ref_logp = self._micro_batched_logp(self._reference_model(), rollout)
-            old_logp, certainty = self._micro_batched_stats(self.policy, rollout, self_certainty=True)  # [B*G, C] x2
+                rollout.ref_logp = self.reference_logp(rollout)
+            old_logp, certainty = self.micro_batched_stats(self.policy, rollout, self_certainty=True)  # [B*G, C] x2
             if hp.num_iterations > 1:
                 rollout.old_logp = old_logp
             per_completion = masked_mean(certainty, rollout.completion_mask, dim=1)  # [B*G]

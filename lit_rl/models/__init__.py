@@ -3,6 +3,7 @@
 See :mod:`lit_rl.models.loading` for what ``name_or_path`` accepts.
 """
 
+from lit_rl.models.checkpointing import enable_activation_checkpointing
 from lit_rl.models.loading import (
     DTYPES,
     EMBEDDED,
@@ -12,6 +13,8 @@ from lit_rl.models.loading import (
     LoraSettings,
     apply_lora,
     base_model,
+    build_from_config,
+    build_on_meta,
     cache_dir,
     check_supported,
     embedded_default_path,
@@ -19,6 +22,8 @@ from lit_rl.models.loading import (
     lm_head,
     load_causal_lm,
     load_tokenizer,
+    meta_config,
+    resolve_dtype,
     resolve_source,
     trunk,
 )
@@ -33,15 +38,20 @@ __all__ = [
     "LoraSettings",
     "apply_lora",
     "base_model",
+    "build_from_config",
+    "build_on_meta",
     "cache_dir",
     "check_supported",
     "embedded_default_path",
     "embedded_gguf_path",
+    "enable_activation_checkpointing",
     "forward_soft_sparse",
     "lm_head",
     "load_causal_lm",
     "load_reward_model",
     "load_tokenizer",
+    "meta_config",
+    "resolve_dtype",
     "resolve_source",
     "trunk",
 ]

@@ -13,11 +13,16 @@
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import os
 import shutil
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
@@ -28,6 +33,50 @@ EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 TINY_PREFIX = "tiny:"
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
+
+
+# set by build_on_meta(): (role, name_or_path) -> a transformers config to build on the meta device
+_META_CONFIGS: ContextVar[Callable[[str, str], Any] | None] = ContextVar("lit_rl_meta_configs", default=None)
+
+
+@contextmanager
+def build_on_meta(configs: Callable[[str, str], Any]) -> Iterator[None]:
+    """Inside, the loaders build models from a config on the meta device and read no weight (for estimates).
+
+    Args:
+        configs: ``configs(role, name_or_path)`` returns the transformers config of the model to build;
+            ``role`` is ``"policy"`` (:func:`load_causal_lm`) or ``"reward"`` (the reward-model loader).
+    """
+    token = _META_CONFIGS.set(configs)
+    try:
+        yield
+    finally:
+        _META_CONFIGS.reset(token)
+
+
+def meta_config(role: str, name_or_path: str) -> Any | None:
+    """The config to build on the meta device inside :func:`build_on_meta`, else ``None``."""
+    configs = _META_CONFIGS.get()
+    return None if configs is None else configs(role, name_or_path)
+
+
+def resolve_dtype(dtype: str, config: Any = None) -> torch.dtype:
+    """``model.dtype`` as a torch dtype; ``auto`` reads the config's (float32 when it has none)."""
+    if dtype not in DTYPES:
+        raise ValueError(f"model.dtype: {dtype!r} is not one of {sorted(DTYPES)}")
+    resolved = DTYPES[dtype]
+    if resolved == "auto":
+        resolved = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+        if isinstance(resolved, str):
+            resolved = getattr(torch, resolved)
+    return resolved
+
+
+def build_from_config(auto_class: Any, config: Any, dtype: torch.dtype):
+    """``auto_class.from_config(config)`` on the meta device, in ``dtype``: shapes only, no storage."""
+    with torch.device("meta"):
+        model = auto_class.from_config(copy.deepcopy(config))
+    return model.to(dtype)
 
 
 @dataclass
@@ -177,7 +226,12 @@ def load_causal_lm(
     if dtype not in DTYPES:
         raise ValueError(f"model.dtype: {dtype!r} is not one of {sorted(DTYPES)}")
     torch_dtype = DTYPES[dtype]
-    if name_or_path.startswith(TINY_PREFIX):
+    config = meta_config("policy", name_or_path)
+    if config is not None:  # an estimate: shapes only
+        from transformers import AutoModelForCausalLM
+
+        model = build_from_config(AutoModelForCausalLM, config, resolve_dtype(dtype, config))
+    elif name_or_path.startswith(TINY_PREFIX):
         from lit_rl.testing import tiny_model
 
         model = tiny_model(name_or_path[len(TINY_PREFIX) :], vocab_size=vocab_size or 128)

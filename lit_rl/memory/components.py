@@ -1,0 +1,94 @@
+"""The component table of an estimate: generic lines every method has, then the method's own.
+
+``run`` is what the estimator measured on the step (optimizer state, saved activations); ``record`` is what
+the stand-in ``generate`` saw (KV cache, logits), if the method generates.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lit_rl.memory.fake import GenerateRecord, dtype_name
+from lit_rl.memory.report import Component
+from lit_rl.memory.units import format_bytes
+from lit_rl.models import lm_head
+
+
+def _param_bytes(params) -> int:
+    return sum(p.numel() * p.element_size() for p in params)
+
+
+def component_table(method, run, record: GenerateRecord, config, settings: dict[str, Any]) -> list[Component]:
+    """The component table: generic lines for every method, then the method's own (``memory_components``)."""
+    policy = method.policy
+    params = list(policy.parameters())
+    trainable = [p for p in params if p.requires_grad]
+    dtype = dtype_name(params[0].dtype)
+    n_total, n_train = sum(p.numel() for p in params), sum(p.numel() for p in trainable)
+    train_dtype = dtype_name(trainable[0].dtype) if trainable else dtype
+    tied = "tied input/output embedding counted once" if getattr(config, "tie_word_embeddings", False) else ""
+    rows = [Component("parameters (policy)", f"{n_total:,} x {dtype}", _param_bytes(params), tied)]
+    if method.reference is not None:
+        rows.append(
+            Component("reference weights", "frozen copy of the policy", _param_bytes(method.reference.parameters()))
+        )
+    elif method.needs_reference:
+        rows.append(Component("reference weights", "shared: LoRA adapters disabled", 0, "no second copy"))
+    else:
+        rows.append(Component("reference weights", "none (no KL term)", 0))
+    for name in method.frozen_modules:
+        module = getattr(method, name, None)
+        if name != "reference" and isinstance(module, torch.nn.Module):
+            n = sum(p.numel() for p in module.parameters())
+            rows.append(Component(f"{name} weights (frozen)", f"{n:,} x {dtype_name(next(module.parameters()).dtype)}",
+                                  _param_bytes(module.parameters())))  # fmt: skip
+    rows.append(Component("gradients", f"{n_train:,} trainable x {train_dtype}", _param_bytes(trainable)))
+    rows.append(
+        Component(
+            "optimizer state (AdamW)",
+            f"2 x {n_train:,} x {train_dtype} + {len(trainable)} step counters",
+            run.state_bytes,
+            f"{run.state_tensors} tensors",
+        )
+    )
+    if record.calls:
+        rows.append(Component("KV cache (end of rollout)", record.kv_cache_shape, record.kv_cache_bytes))
+        rows.append(
+            Component(
+                "generation logits + probs", f"2 x [{record.batch}, {record.vocab}] fp32", record.logits_bytes,
+                "per decode step",
+            )
+        )  # fmt: skip
+    layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", 0)
+    hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", 0)
+    head = lm_head(policy)
+    vocab = head.weight.shape[0] if hasattr(head, "weight") else config.vocab_size
+    shape = dict(
+        batch=settings["batch"],
+        prompt_length=settings["prompt_length"],
+        new_tokens=settings["max_new_tokens"],
+        micro_batch=settings["micro_batch_size"],
+        vocab=vocab,
+        hidden=hidden,
+    )
+    rows += [Component(*row) for row in method.memory_components(shape)]
+    seq = settings["sequence_length"]
+    note = f"{format_bytes(run.saved_activations / max(layers, 1))} per layer" if layers else ""
+    if settings["activation_checkpointing"]:
+        note += ", checkpointed"
+    rows.append(
+        Component(
+            f"saved activations ({run.saved_phase.replace('_', ' ') or 'none'})",
+            f"[{settings['micro_batch_size']}, {seq}] tokens x {layers} layers",
+            run.saved_activations,
+            note,
+        )
+    )
+    if settings["padded"]:
+        mb = settings["micro_batch_size"]
+        rows.append(
+            Component("attention mask (padded prompts)", f"[{mb}, 1, {seq}, {seq}] bool", mb * seq * seq, "per forward")
+        )
+    return rows

@@ -1,0 +1,206 @@
+"""What a step on fake tensors needs beyond ``FakeTensorMode``: every substitution the estimator makes, in one place.
+
+The estimator runs a method's own ``training_step`` on fake tensors (shapes, dtypes and devices, no
+storage). Fake tensors cannot do four things a real step does, and each is substituted here, decided
+as the real run would decide it:
+
+- **Reading a value** (``.item()``, ``bool(t)``, ``.tolist()``): every read returns 1 (``True`` for
+  booleans). A step's control flow on values (a finite-loss check, a token count) takes the path of a
+  normal step; the numbers themselves never change memory.
+- **generate()**: its stopping criteria read values. :func:`fake_generate` runs the prefill and decode
+  steps with a ``DynamicCache`` exactly as ``generate`` does (``logits_to_keep=1``, a float32 copy of
+  the last logits, softmax, multinomial) and never stops early: every completion runs to
+  ``max_new_tokens``. Decode steps differ only in the cache length, which only grows, so by default
+  the prefill, the first and the last decode step run and the cache is grown in between (same peak,
+  seconds instead of minutes); ``full_decode=True`` runs every step.
+- **Text**: :class:`StandInTokenizer` decodes every completion to ``""`` (reward functions still run).
+- **Mask skipping**: transformers reads the attention mask to skip building the ``[B, 1, q, kv]``
+  boolean mask when nothing is padded; :func:`patches` decides it from whether the batch is padded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from lit_rl.models import base_model
+
+# trainer.precision -> (weight dtype or None to keep the loaded one, autocast dtype or None)
+PRECISIONS: dict[str, tuple[torch.dtype | None, torch.dtype | None]] = {
+    "32-true": (None, None),
+    "32": (None, None),
+    "bf16-true": (torch.bfloat16, None),
+    "bf16-mixed": (None, torch.bfloat16),
+    "16-true": (torch.float16, None),
+    "16-mixed": (None, torch.float16),
+}
+
+
+class _ConstantReads(TorchDispatchMode):
+    """Answers every value read of a fake tensor with 1 (``True`` for booleans)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            dtype = args[0].dtype
+            return True if dtype == torch.bool else 1.0 if dtype.is_floating_point else 1
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def fake_mode() -> Iterator[Any]:
+    """``FakeTensorMode`` (non-fake inputs allowed: a meta-device model is materialised with ``to_empty``) with
+    constant value reads on top."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv(allow_scalar_outputs=True))
+    with mode, _ConstantReads():
+        yield mode
+
+
+@contextlib.contextmanager
+def patches(padded: bool) -> Iterator[None]:
+    """transformers' mask skipping, decided as the real run decides it (``padded``: prompts are left-padded)."""
+    import transformers.masking_utils as masking_utils
+
+    def ignore_causal_mask(padding_mask, q_length, kv_length, q_offset, kv_offset, local_attention_size=None):
+        # transformers reads the mask to skip building it when nothing is padded; a fake mask has no values
+        if padded or (local_attention_size is not None and kv_length >= local_attention_size):
+            return False
+        return q_length == 1 or kv_length == q_length or q_offset == 0
+
+    original = masking_utils._ignore_causal_mask_sdpa
+    masking_utils._ignore_causal_mask_sdpa = ignore_causal_mask
+    try:
+        yield
+    finally:
+        masking_utils._ignore_causal_mask_sdpa = original
+
+
+@contextlib.contextmanager
+def precision(default_dtype: torch.dtype | None, autocast_dtype: torch.dtype | None) -> Iterator[None]:
+    """Lightning's precision plugin around ``training_step``: default dtype (true half) or autocast (mixed)."""
+    with contextlib.ExitStack() as stack:
+        if default_dtype is not None:
+            previous = torch.get_default_dtype()
+            torch.set_default_dtype(default_dtype)
+            stack.callback(torch.set_default_dtype, previous)
+        if autocast_dtype is not None:
+            # as Lightning's MixedPrecision: no cast cache, so weights are re-cast by every op that uses them
+            stack.enter_context(torch.autocast("cpu", dtype=autocast_dtype, cache_enabled=False))
+        yield
+
+
+class StandInTokenizer:
+    """What a step asks of a tokenizer, without one: special ids from the model config, ``""`` for any text."""
+
+    def __init__(self, config: Any) -> None:
+        eos = getattr(config, "eos_token_id", None)
+        self.eos_token_id = (eos[0] if isinstance(eos, list) else eos) if eos is not None else 0
+        pad = getattr(config, "pad_token_id", None)
+        self.pad_token_id = pad if pad is not None else self.eos_token_id
+        self.vocab_size = config.vocab_size
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    def decode(self, ids: Any, skip_special_tokens: bool = False) -> str:
+        return ""
+
+    def batch_decode(self, ids: Any, skip_special_tokens: bool = False) -> list[str]:
+        return ["" for _ in ids]
+
+
+@dataclass
+class GenerateRecord:
+    """What :func:`fake_generate` saw: the KV cache at the end and one decode step's logits + probabilities."""
+
+    kv_cache_bytes: int = 0
+    kv_cache_shape: str = ""
+    logits_bytes: int = 0
+    batch: int = 0
+    vocab: int = 0
+    calls: int = 0
+
+
+def fake_generate(policy, record: GenerateRecord, *, padded: bool, full_decode: bool = False):
+    """A stand-in for ``policy.generate`` that allocates what sampling allocates and always runs to the limit."""
+
+    def generate(input_ids=None, attention_mask=None, generation_config=None, **kwargs):
+        from transformers import DynamicCache
+
+        max_new = generation_config.max_new_tokens if generation_config is not None else kwargs["max_new_tokens"]
+        # generate(): positions from the mask; an all-ones mask is dropped (no 4D mask is built then)
+        position_ids = attention_mask.long().cumsum(-1) - 1  # [B, P]
+        position_ids = position_ids.masked_fill(attention_mask == 0, 0)
+        mask = attention_mask if padded else None
+        cache = DynamicCache(config=base_model(policy).config)
+        unfinished = torch.ones(input_ids.shape[0], dtype=torch.long)  # [B]
+        eos = torch.tensor([0])
+        sequences = input_ids
+        step_ids, step_positions = input_ids, position_ids
+        steps = list(range(max_new)) if full_decode or max_new <= 3 else [0, 1, max_new - 1]
+        for i, step in enumerate(steps):
+            skipped = step - steps[i - 1] - 1 if i else 0
+            if skipped:  # grow the cache to the length the skipped decode steps would have left
+                b = sequences.shape[0]
+                for layer_idx, layer in enumerate(cache.layers):
+                    shape = (b, layer.keys.shape[1], skipped, layer.keys.shape[3])
+                    cache.update(layer.keys.new_zeros(shape), layer.values.new_zeros(shape), layer_idx)
+                grown = position_ids[:, -1:] + torch.arange(1, skipped + 1)  # [B, skipped]
+                position_ids = torch.cat([position_ids, grown], dim=-1)
+                if mask is not None:
+                    mask = torch.cat([mask, mask.new_ones((b, skipped))], dim=-1)
+                sequences = torch.cat([sequences, sequences.new_zeros((b, skipped))], dim=-1)
+                step_ids, step_positions = sequences[:, -1:], position_ids[:, -1:]
+                del grown
+            out = policy(
+                input_ids=step_ids.clone(),
+                attention_mask=mask,
+                position_ids=step_positions.clone(),
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+                return_dict=True,
+            )
+            step_positions = position_ids[:, -1:] + 1  # [B, 1]
+            position_ids = torch.cat([position_ids, step_positions], dim=-1)
+            if mask is not None:
+                mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=-1)
+            logits = out.logits[:, -1].to(copy=True, dtype=torch.float32)  # [B, V]
+            if step == 0:
+                record.logits_bytes = 2 * logits.untyped_storage().nbytes()  # + probs
+                record.batch, record.vocab = logits.shape
+            probs = torch.softmax(logits, dim=-1)  # [B, V]
+            next_tokens = torch.multinomial(probs, num_samples=1).squeeze(1)  # [B]
+            next_tokens = next_tokens * unfinished + 0 * (1 - unfinished)
+            sequences = torch.cat([sequences, next_tokens[:, None]], dim=-1)  # [B, P + t]
+            unfinished = unfinished & ~torch.isin(sequences[:, -1], eos)
+            step_ids = sequences[:, -1:]
+            del out, logits, probs
+        record.kv_cache_bytes, record.kv_cache_shape = cache_size(cache)
+        record.calls += 1
+        return sequences
+
+    return generate
+
+
+def cache_size(cache) -> tuple[int, str]:
+    """Bytes of a transformers cache's keys and values, and a shape description."""
+    layers = [layer for layer in getattr(cache, "layers", []) if getattr(layer, "keys", None) is not None]
+    if not layers:
+        return 0, ""
+    total = sum(layer.keys.untyped_storage().nbytes() + layer.values.untyped_storage().nbytes() for layer in layers)
+    k = layers[0].keys
+    return total, f"{len(layers)} layers x 2 x {list(k.shape)} {dtype_name(k.dtype)}"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "int64"}.get(
+        dtype, str(dtype).replace("torch.", "")
+    )

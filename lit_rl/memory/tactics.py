@@ -1,0 +1,62 @@
+"""The memory tactics lit-rl knows: what each saves and costs, how to turn it on, and how the estimator applies it.
+
+One table, read by the estimator (``lit-rl estimate --device-memory``, which re-estimates the step with
+each tactic applied) and by the OOM report (which lists them with the predicted saving).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Tactic:
+    """One memory tactic.
+
+    Attributes:
+        name: the key used by the estimator and the OOM report.
+        what: what it saves and what it costs.
+        how: how to turn it on, as command-line arguments (``{value}`` is filled by the estimator).
+        estimated: whether the estimator can predict its saving (``empty_cache`` frees allocator blocks,
+            not tensor bytes, so it cannot).
+    """
+
+    name: str
+    what: str
+    how: str
+    estimated: bool = True
+
+
+TACTICS: dict[str, Tactic] = {
+    t.name: t
+    for t in (
+        Tactic(
+            "activation_checkpointing",
+            "recompute decoder-layer activations in the backward instead of keeping them; ~30% more compute",
+            "--config callbacks/activation_checkpointing.yaml",
+        ),
+        Tactic(
+            "micro_batch",
+            "a smaller update micro-batch: saved activations shrink in proportion; more, smaller passes",
+            "--model.init_args.micro_batch_size {value}",
+        ),
+        Tactic(
+            "bf16",
+            "bf16 weights and activations, half the bytes of float32 (log-prob math stays float32)",
+            "--trainer.precision bf16-true",
+        ),
+        Tactic(
+            "lora",
+            "train LoRA adapters only: no gradients or optimizer state for the base weights, which also serve as "
+            "the reference model",
+            "--model.init_args.lora.r 16 (LoRA on all linear layers)",
+        ),
+        Tactic(
+            "empty_cache",
+            "return reserved-but-unused allocator blocks after rollout/reference (helps when the error reports much "
+            "memory 'reserved but unallocated'); costs a sync and re-allocation stalls",
+            "--config callbacks/empty_cache.yaml",
+            estimated=False,
+        ),
+    )
+}

@@ -1,0 +1,39 @@
+"""Activation checkpointing of a transformers model, as the callback and the estimator both turn it on."""
+
+from __future__ import annotations
+
+from lit_rl.models.loading import base_model
+
+
+def enable_activation_checkpointing(model, every_n_layers: int = 1, offload: bool = False) -> int:
+    """Turn on transformers' non-reentrant activation checkpointing; returns the number of checkpointed modules.
+
+    With frozen parameters (LoRA) the embedding output is made to require grad, so gradients reach the
+    adapters through checkpointed layers whose inputs would otherwise be constant.
+
+    Raises:
+        ValueError: if the architecture does not support it, or ``every_n_layers``/``offload`` need a newer
+            transformers; the message names the fix.
+    """
+    base = base_model(model)
+    if not getattr(base, "supports_gradient_checkpointing", False):
+        raise ValueError(
+            f"{type(base).__name__} does not support activation checkpointing (it is not a transformers "
+            "PreTrainedModel, or its architecture sets `supports_gradient_checkpointing = False`); remove the "
+            "callback or use a supported model"
+        )
+    kwargs = {"use_reentrant": False}
+    if hasattr(base, "activation_checkpointing_enable"):  # transformers >= 5
+        base.activation_checkpointing_enable(
+            activation_checkpointing_kwargs=kwargs, every_n_layers=every_n_layers, offload=offload
+        )
+    elif every_n_layers == 1 and not offload:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    else:
+        raise ValueError(
+            "`every_n_layers` and `offload` need transformers 5 (`activation_checkpointing_enable`); upgrade "
+            "transformers or use the defaults"
+        )
+    if any(not p.requires_grad for p in base.parameters()) and not getattr(base, "_require_grads_hooks", None):
+        base.enable_input_require_grads()
+    return sum(1 for m in base.modules() if getattr(m, "gradient_checkpointing", False))

@@ -1,0 +1,160 @@
+"""The shape of the package: layering, no private imports, file sizes, options, and a new method that the memory
+tools measure and predict without any change to them."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, ClassVar
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+from lit_rl.callbacks import EmptyCache, MemoryProfiler
+from lit_rl.data import PromptDataModule
+from lit_rl.memory.estimate import estimate_step
+from lit_rl.memory.phases import BACKWARD, OPTIMIZER
+from lit_rl.methods import RLMethod
+from lit_rl.models import lm_head, trunk
+from lit_rl.ops import selective_log_probs
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "lit_rl"
+# top to bottom; a module may import only from its own layer's files or the layers below it
+LAYERS = {
+    "cli": 5, "__main__": 5, "__init__": 5,
+    "methods": 4, "callbacks": 4,
+    "data": 3,
+    "memory": 2,
+    "models": 1,
+    "ops": 0, "losses": 0, "testing": 0,
+}  # fmt: skip
+
+
+def _modules() -> list[tuple[str, Path]]:
+    return [(".".join(p.relative_to(ROOT).with_suffix("").parts), p) for p in sorted(PACKAGE.rglob("*.py"))]
+
+
+def _layer(module: str) -> int:
+    parts = module.split(".")
+    return LAYERS[parts[1] if len(parts) > 1 else "__init__"]
+
+
+def _imports(path: Path) -> list[tuple[str, list[str]]]:
+    """(imported lit_rl module, names taken from it) for every import in the file, lazy ones included."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("lit_rl"):
+            found.append((node.module, [a.name for a in node.names]))
+        elif isinstance(node, ast.Import):
+            found += [(a.name, []) for a in node.names if a.name.startswith("lit_rl")]
+    return found
+
+
+def test_every_import_points_down_the_layers_and_takes_no_private_name():
+    wrong = []
+    for module, path in _modules():
+        for target, names in _imports(path):
+            if target == "lit_rl.cli" and module not in ("lit_rl.__main__",):
+                wrong.append(f"{module} imports lit_rl.cli")
+            elif _layer(target) > _layer(module):
+                wrong.append(f"{module} (layer {_layer(module)}) imports {target} (layer {_layer(target)})")
+            private = [n for n in names if n.startswith("_")]
+            if private:
+                wrong.append(f"{module} imports private {private} from {target}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_estimator_imports_neither_the_cli_nor_methods_nor_callbacks():
+    code = (
+        "import sys, lit_rl.memory.estimate\n"
+        "bad = sorted(m for m in sys.modules if m.startswith(('lit_rl.cli', 'lit_rl.methods', 'lit_rl.callbacks')))\n"
+        "print(bad)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "[]"
+
+
+def test_no_file_under_lit_rl_is_over_500_lines():
+    sizes = {module: len(path.read_text().splitlines()) for module, path in _modules()}
+    assert {m: n for m, n in sizes.items() if n > 500} == {}
+
+
+@pytest.mark.parametrize("method", ["RefCachedGRPO", "Intuitor"])
+def test_help_lists_every_option_through_the_constructor_chain(method):
+    out = subprocess.run(
+        [sys.executable, "-m", "lit_rl", "fit", "--model.help", method], capture_output=True, text=True, cwd=ROOT
+    )
+    assert out.returncode == 0, out.stderr
+    # own options, the GRPO options Intuitor forwards, and the base options every method forwards
+    for option in ("num_generations", "beta", "loss_type", "name_or_path", "lora", "learning_rate",
+                   "micro_batch_size", "max_nonfinite_steps", "metric_funcs"):  # fmt: skip
+        assert f"--model.{option} " in out.stdout, option
+    own_help = {"RefCachedGRPO": "skips the reference pass entirely", "Intuitor": "0.005 in the paper"}[method]
+    assert own_help in " ".join(out.stdout.split())  # the subclass's own docstring, not a copy
+
+
+# --------------------------------------------------------------------------------------------- a new method
+
+
+class ToyMethod(RLMethod):
+    """Maximises the log-likelihood of the prompts: two phases of its own, nothing like GRPO's step."""
+
+    phase_names: ClassVar[tuple[str, ...]] = ("embed", "score", BACKWARD, OPTIMIZER)
+
+    def train_step(self, batch: dict[str, Any]) -> tuple[dict[str, float], int]:
+        ids, mask = batch["input_ids"], batch["attention_mask"]  # [B, P]
+        with self.phases("embed"), torch.no_grad():
+            weights = mask[:, 1:].float()  # [B, P-1] tokens that count
+
+        def loss_fn(sl: slice):
+            with self.phases("score"):
+                hidden = trunk(self.policy)(input_ids=ids[sl], attention_mask=mask[sl]).last_hidden_state  # [b, P, H]
+                logp = selective_log_probs(hidden[:, :-1], lm_head(self.policy).weight, ids[sl, 1:])  # [b, P-1]
+                loss = -(logp * weights[sl]).sum() / weights.sum()
+            return loss, {"logp/mean": logp.mean().item()}
+
+        loss, stats = self.update(len(ids), loss_fn)
+        return {"loss": loss, "logp/mean": sum(s["logp/mean"] for s in stats) / max(len(stats), 1)}, len(ids)
+
+
+def _toy(**kw) -> ToyMethod:
+    return ToyMethod(name_or_path="tiny:llama", learning_rate=1e-3, **kw)
+
+
+def test_a_new_method_is_measured_and_predicted_without_changing_the_memory_tools(tmp_path):
+    method = _toy(micro_batch_size=2)
+    data = PromptDataModule(num_prompts=8, batch_size=4, max_prompt_length=64)
+    profiler = MemoryProfiler()
+    trainer = L.Trainer(
+        max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=tmp_path, callbacks=[profiler, EmptyCache(phases=["embed"])],
+    )  # fmt: skip
+    trainer.fit(method, data)
+    summary = json.loads((tmp_path / "memory_summary.json").read_text())
+    assert list(summary["phases"]) == ["embed", "score", "backward", "optimizer"]
+    measured = profiler.summary()["steps"][1]["phases"]
+    batch = next(iter(data.train_dataloader()))
+    padded = bool((batch["attention_mask"] == 0).any())
+    estimate = estimate_step(method, batch_size=4, prompt_length=batch["input_ids"].shape[1], padded=padded)
+    assert list(estimate.phases) == ["embed", "score", "backward", "optimizer"]
+    for name, predicted in estimate.phases.items():
+        assert predicted == pytest.approx(measured[name]["peak_bytes"], rel=0.10), (name, predicted, measured)
+    assert estimate.component("saved activations (score)").bytes > 0
+
+
+def test_empty_cache_checks_phase_names_against_the_method():
+    trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False)
+    with pytest.raises(MisconfigurationException, match=r"unknown phase\(s\) \['rollout'\].*embed"):
+        EmptyCache(phases=["rollout"]).setup(trainer, _toy(), "fit")
+
+
+def test_a_phase_the_method_did_not_declare_is_refused():
+    method = _toy()
+    with pytest.raises(ValueError, match="'rollout' is not declared"), method.phases("rollout"):
+        pass
