@@ -1,0 +1,378 @@
+"""GumbelTopK: GRADE's differentiable rollouts, backpropagating a reward model's score into the policy.
+
+GRADE (arXiv 2601.11574, "Replacing Policy Gradients with Backpropagation for LLM Alignment") samples
+each token as a Gumbel-softmax relaxation, feeds it as a soft embedding to the next policy step and to
+a reward model, and backpropagates the reward straight into the policy; GRADE-STE uses the
+straight-through estimator (one-hot forward, soft backward). Only the abstract is public, so tau, k,
+the KL and their schedules here are our design. How this implementation differs from a naive one (the
+seed analyses 001 and 003), for memory:
+
+- **Top-k Gumbel-softmax** (:func:`lit_rl.ops.gumbel_softmax_topk`): a soft token is k weights over k
+  token ids, and its embedding is a weighted gather of k embedding rows, never a ``[B, V] @ [V, H]``
+  product; the reward model reads the completion the same way (``forward_soft_sparse``).
+- **Online KL**: the per-token KL(policy || reference) over the **full vocabulary** is computed at each
+  step from the two hidden states by :func:`lit_rl.ops.kl_divergence` (exact, vocabulary blocks
+  recomputed in backward), instead of storing ``[B, T, V]`` reference logits and computing it at the end.
+- **KV-cached reference**: the reference (the policy with LoRA adapters disabled, or a frozen copy)
+  advances on the hard token with its own KV cache, without gradient.
+- **Per-step checkpointing** (``checkpoint_steps``): each policy step keeps only its inputs and the new
+  key/value slices; without it, every step keeps its attention inputs over the whole cache, so the
+  saved memory grows faster than linearly in the length. **Truncated backpropagation**
+  (``bptt_window``): only the last ``bptt_window`` steps are differentiable; earlier ones run without
+  gradient (their tokens reach the reward model as constants).
+
+``gumbel_topk: 0`` is the legacy full-vocabulary path, kept to measure against: dense ``[B, V]`` soft
+tokens, policy and reference logits stored for every step, the KL computed from them at the end.
+
+The loss of a sequence is ``-reward + beta * sum_t KL_t`` over its completion tokens, averaged over
+sequences. Lengths: every sequence is generated for ``max_new_tokens`` steps unless all have emitted
+EOS (then the loop stops early); tokens after a sequence's first EOS are masked out of the KL and the
+reward model's attention mask, so the reward model reads each completion up to and including its EOS.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from lit_rl.memory.phases import BACKWARD, OPTIMIZER
+from lit_rl.methods.base import RLMethod
+from lit_rl.models import lm_head, load_reward_model, trunk
+from lit_rl.ops import gumbel_softmax_topk, kl_divergence
+
+EMBEDDED_REWARD = "embedded"
+
+
+@dataclass
+class SoftRollout:
+    """What a differentiable rollout produced for ``b`` sequences of up to ``C`` tokens."""
+
+    weights: torch.Tensor  # [b, C, k] soft-token weights (k = V on the legacy path), differentiable
+    indices: torch.Tensor  # [b, C, k] their token ids
+    tokens: torch.Tensor  # [b, C] hard tokens (the argmax of the weights)
+    mask: torch.Tensor  # [b, C] 1 up to and including the first EOS
+    kl: torch.Tensor  # [b, C] per-token KL(policy || reference), 0 where masked or without reference
+    topk_mass: torch.Tensor  # [b, C] probability mass the kept tokens have under the policy (detached)
+
+
+class GumbelTopK(RLMethod):
+    """Differentiable rollouts with top-k Gumbel-softmax through a frozen reward model (GRADE).
+
+    **Phases**: ``generate`` (the policy's soft rollout with the reference beside it), ``reward`` (the
+    reward model on the soft completion, and the loss), ``backward``, ``optimizer``.
+
+    **Logged Metrics**: ``reward/mean``, ``reward/std``, ``kl/mean`` (per completion token),
+    ``gumbel/tau``, ``gumbel/topk_mass``, ``completions/mean_length``, ``completions/clipped_ratio``,
+    ``metric/<function>/mean`` (the true checkers in ``metric_funcs``, never rewarded), ``loss``,
+    ``train/nonfinite_steps``, ``time/<phase>_s``.
+
+    Args:
+        reward_model: a ``...ForSequenceClassification`` sharing the policy's vocabulary (folder or hub
+            id), or ``embedded``: a score head on the embedded SmolLM2 trunk trained on the built-in
+            arithmetic task (trained once and cached, see :mod:`lit_rl.data.reward_model`).
+        num_generations: rollouts per prompt.
+        max_new_tokens: generation steps ``C``. Memory: every step's graph is kept for the backward.
+        temperature: the policy's logits are divided by it before the Gumbel-softmax and the KL.
+        gumbel_topk: ``k``, tokens kept per soft token; ``0`` runs the legacy full-vocabulary path.
+        hard: straight-through (GRADE-STE): the forward uses the one-hot token, the backward the soft weights.
+        tau: Gumbel-softmax temperature at step 0.
+        tau_min: the final tau of a decaying schedule.
+        tau_schedule: ``constant``, ``linear`` or ``exponential`` decay from ``tau`` to ``tau_min``.
+        tau_decay_steps: optimizer steps over which tau decays.
+        beta: KL coefficient; ``0`` skips the reference entirely (no reference steps, no KL).
+        checkpoint_steps: recompute each policy step in the backward (``use_reentrant=False``): the saved
+            memory grows linearly in the length instead of faster; costs about one more forward per step.
+        bptt_window: backpropagate through the last this-many steps only (``null``: all of them); earlier
+            steps run without gradient, which saves their graphs at the cost of a biased gradient.
+        **kwargs: model, optimizer, micro-batch and metric settings, see :class:`~lit_rl.methods.base.RLMethod`.
+
+    Raises:
+        ValueError: at construction, for settings that cannot work (named in the message).
+
+    Example::
+
+        lit-rl fit --config configs/gumbel_topk.yaml
+    """
+
+    phase_names: ClassVar[tuple[str, ...]] = ("generate", "reward", BACKWARD, OPTIMIZER)
+    frozen_modules: ClassVar[tuple[str, ...]] = ("reference", "reward_model")
+
+    def __init__(
+        self,
+        reward_model: str = EMBEDDED_REWARD,
+        num_generations: int = 1,
+        max_new_tokens: int = 8,
+        temperature: float = 1.0,
+        gumbel_topk: int = 256,
+        hard: bool = True,
+        tau: float = 0.5,
+        tau_min: float = 0.1,
+        tau_schedule: Literal["constant", "linear", "exponential"] = "constant",
+        tau_decay_steps: int = 100,
+        beta: float = 0.01,
+        checkpoint_steps: bool = False,
+        bptt_window: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        for name, value, low in (("num_generations", num_generations, 1), ("max_new_tokens", max_new_tokens, 1),
+                                 ("gumbel_topk", gumbel_topk, 0), ("tau_decay_steps", tau_decay_steps, 1)):  # fmt: skip
+            if value < low:
+                raise ValueError(f"model.{name} must be >= {low}, got {value}")
+        if not tau > 0 or not tau_min > 0 or temperature <= 0:
+            raise ValueError(f"model.tau ({tau}), model.tau_min ({tau_min}) and model.temperature must be > 0")
+        if tau_schedule not in ("constant", "linear", "exponential"):
+            raise ValueError(f"model.tau_schedule: {tau_schedule!r} is not one of constant, linear, exponential")
+        if beta < 0:
+            raise ValueError(f"model.beta must be >= 0, got {beta}")
+        if bptt_window is not None and bptt_window < 1:
+            raise ValueError(f"model.bptt_window must be >= 1 or null, got {bptt_window}")
+        if gumbel_topk == 0 and (checkpoint_steps or bptt_window is not None):
+            raise ValueError("model.gumbel_topk: 0 (the legacy path) has no checkpoint_steps or bptt_window; use k > 0")
+        self.reward_model: torch.nn.Module | None = None
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.hparams.beta > 0
+
+    # ------------------------------------------------------------------ models
+    def configure_model(self) -> None:
+        if self.policy is not None:
+            return
+        super().configure_model()
+        embedding = self.policy.get_input_embeddings()
+        if type(embedding) is not torch.nn.Embedding:
+            raise ValueError(
+                f"{self.name_or_path}: the input embedding is a {type(embedding).__name__}, not a plain nn.Embedding; "
+                "GumbelTopK mixes embedding rows and cannot reproduce its transform"
+            )
+        vocab = len(self.tokenizer) if self.tokenizer is not None else None
+        source = self.hparams.reward_model
+        self.reward_model = load_reward_model(
+            source,
+            policy_tokenizer=self.tokenizer,
+            vocab_size=vocab,
+            path_provider=_embedded_reward_model if source == EMBEDDED_REWARD else None,
+        )
+
+    def tau_at(self, step: int) -> float:
+        """Tau of the schedule at optimizer step ``step`` (a resumed run continues the schedule)."""
+        hp = self.hparams
+        frac = min(step / hp.tau_decay_steps, 1.0)
+        if hp.tau_schedule == "linear":
+            return hp.tau + (hp.tau_min - hp.tau) * frac
+        if hp.tau_schedule == "exponential":
+            return max(hp.tau_min, hp.tau * math.exp(frac * math.log(hp.tau_min / hp.tau)))
+        return hp.tau
+
+    # ------------------------------------------------------------------ the step
+    def train_step(self, batch: dict[str, Any]) -> tuple[dict[str, float], int]:
+        hp = self.hparams
+        g = hp.num_generations
+        prompt_ids = batch["input_ids"].repeat_interleave(g, dim=0)  # [B*G, P]
+        prompt_mask = batch["attention_mask"].repeat_interleave(g, dim=0)  # [B*G, P]
+        n = prompt_ids.shape[0]
+        tau = self.tau_at(self.global_step)
+        parts: list[tuple[torch.Tensor, SoftRollout]] = []
+
+        def loss_fn(sl: slice) -> tuple[torch.Tensor, dict[str, float]]:
+            with self.phases("generate"):
+                rollout = self.soft_rollout(prompt_ids[sl], prompt_mask[sl], tau)
+            with self.phases("reward"):
+                reward = self.score(prompt_ids[sl], prompt_mask[sl], rollout)  # [b]
+                kl = rollout.kl.sum(1)  # [b] sequence KL
+                loss = (hp.beta * kl - reward).sum() / n
+            parts.append((reward.detach(), rollout))
+            return loss, {}
+
+        metrics: dict[str, float] = {}
+        metrics["loss"], _ = self.update(n, loss_fn)
+        rewards = torch.cat([r for r, _ in parts])  # [B*G]
+        mask = torch.cat([r.mask for _, r in parts])  # [B*G, C]
+        tokens = torch.cat([r.tokens for _, r in parts])  # [B*G, C]
+        kl = torch.cat([r.kl.detach() for _, r in parts])  # [B*G, C]
+        mass = torch.cat([r.topk_mass for _, r in parts])  # [B*G, C]
+        lengths = mask.sum(1)  # [B*G]
+        count = mask.sum().clamp_min(1)
+        eos_ids = torch.tensor(self.eos_ids(), device=tokens.device)
+        metrics.update(
+            {
+                "reward/mean": rewards.mean().item(),
+                "reward/std": rewards.std().item() if len(rewards) > 1 else 0.0,
+                "kl/mean": (kl * mask).sum().item() / count.item(),
+                "gumbel/tau": tau,
+                "gumbel/topk_mass": (mass * mask).sum().item() / count.item(),
+                "completions/mean_length": lengths.float().mean().item(),
+                "completions/clipped_ratio": (~torch.isin(tokens, eos_ids).any(1)).float().mean().item(),
+                "prompts/truncated": float(batch.get("num_truncated", 0)),
+            }
+        )
+        metrics.update(self.metric_scores(self.decode(tokens, lengths), batch, g))
+        return metrics, n
+
+    def score(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, rollout: SoftRollout) -> torch.Tensor:
+        """The reward model's score ``[b]`` of the prompt (hard tokens) and the soft completion."""
+        attention_mask = torch.cat([prompt_mask, rollout.mask.to(prompt_mask.dtype)], dim=1)  # [b, P + C]
+        return self.reward_model.forward_soft_sparse(prompt_ids, rollout.indices, rollout.weights, attention_mask)
+
+    # ------------------------------------------------------------------ the differentiable rollout
+    def soft_rollout(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, tau: float) -> SoftRollout:
+        """Generate ``max_new_tokens`` soft tokens with gradients, the reference advancing beside the policy."""
+        hp = self.hparams
+        b, c = prompt_ids.shape[0], hp.max_new_tokens
+        first_grad = 0 if hp.bptt_window is None else max(c - hp.bptt_window, 0)
+        positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)  # [b, P]
+        eos = torch.tensor(self.eos_ids(), device=prompt_ids.device)
+        policy = _PolicyStepper(self, prompt_ids, prompt_mask, positions, grad=first_grad == 0)
+        reference = _ReferenceStepper(self, prompt_ids, prompt_mask, positions) if hp.beta > 0 else None
+        head = lm_head(self.policy)
+        weights, indices, tokens, masks, kls, masses, ref_logits = [], [], [], [], [], [], []
+        alive = torch.ones(b, dtype=torch.bool, device=prompt_ids.device)  # [b] no EOS emitted yet
+        hidden = policy.hidden  # [b, H] predicts the first completion token
+        for t in range(c):
+            with torch.set_grad_enabled(t >= first_grad):
+                logits = _at_least_float32(head(hidden)) / hp.temperature  # [b, V]
+                # the noise is drawn over the whole vocabulary, so top-k (k = V) and the legacy path see the same draw
+                u = torch.rand(logits.shape, device=logits.device).clamp_min(torch.finfo(torch.float32).tiny)  # [b, V]
+                noise = -torch.log(-torch.log(u))  # [b, V] Gumbel(0, 1)
+                w, idx = gumbel_softmax_topk(logits, tau, hp.gumbel_topk, hard=hp.hard, noise=noise)  # [b, k] x2
+                del u, noise
+                token = idx.gather(-1, w.detach().argmax(-1, keepdim=True)).squeeze(-1)  # [b]
+                lse = torch.logsumexp(logits.detach(), dim=-1)  # [b]
+                masses.append(torch.exp(logits.detach().gather(-1, idx) - lse[:, None]).sum(-1))  # [b]
+                masks.append(alive.float())
+                if reference is not None and hp.gumbel_topk > 0:
+                    kl = kl_divergence(
+                        hidden, head.weight, reference.hidden, reference.head.weight,
+                        temperature=hp.temperature, bias_p=head.bias, bias_q=reference.head.bias,
+                    )  # fmt: skip
+                    kls.append(kl * alive)  # [b]
+                elif reference is not None:  # legacy: keep both logits rows, the KL comes at the end
+                    ref_logits.append(reference.logits())  # [b, V] no grad
+                    kls.append(logits)  # [b, V] with grad
+                weights.append(w)
+                indices.append(idx)
+                tokens.append(token)
+                alive = alive & ~torch.isin(token, eos)
+                if t + 1 == c or not alive.any():
+                    break
+                policy.grad = t + 1 >= first_grad
+                hidden = policy.step(self.soft_embedding(w, idx))  # [b, H]
+            if reference is not None:
+                reference.step(token)
+        mask = torch.stack(masks, 1)  # [b, C']
+        if reference is None:
+            kl = torch.zeros_like(mask)
+        elif hp.gumbel_topk > 0:
+            kl = torch.stack(kls, 1)  # [b, C']
+        else:
+            kl = _dense_kl(torch.stack(kls, 1), torch.stack(ref_logits, 1)) * mask  # [b, C']
+        return SoftRollout(
+            weights=torch.stack(weights, 1),  # [b, C', k]
+            indices=torch.stack(indices, 1),  # [b, C', k]
+            tokens=torch.stack(tokens, 1),  # [b, C']
+            mask=mask,
+            kl=kl,
+            topk_mass=torch.stack(masses, 1),  # [b, C']
+        )
+
+    def soft_embedding(self, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """``[b, 1, H]``: a weighted gather of k embedding rows, or the dense ``[b, V] @ [V, H]`` on the legacy path."""
+        table = self.policy.get_input_embeddings()
+        if self.hparams.gumbel_topk == 0:
+            return (weights.to(table.weight.dtype) @ table.weight)[:, None]  # [b, 1, H]
+        rows = table(indices)  # [b, k, H]
+        return (weights.to(rows.dtype)[..., None] * rows).sum(1, keepdim=True)  # [b, 1, H]
+
+
+def _embedded_reward_model() -> str:
+    """The embedded reward model's folder, trained once on the built-in task if the cache has none."""
+    from lit_rl.data.reward_model import embedded_reward_model_path
+
+    return str(embedded_reward_model_path())
+
+
+def _at_least_float32(x: torch.Tensor) -> torch.Tensor:
+    """float32 for half-precision logits, float64 kept (the numerics tests run in float64)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def _dense_kl(policy_logits: torch.Tensor, reference_logits: torch.Tensor) -> torch.Tensor:
+    """Legacy KL from stored logits ``[b, C, V]``: sum_v p (log p - log q) per token ``[b, C]``."""
+    logp = F.log_softmax(policy_logits, dim=-1)  # [b, C, V]
+    logq = F.log_softmax(reference_logits, dim=-1)  # [b, C, V]
+    return (logp.exp() * (logp - logq)).sum(-1)  # [b, C]
+
+
+class _PolicyStepper:
+    """The policy's side of the rollout: a KV cache kept as per-step key/value slices, so a step can be checkpointed
+    (its inputs are the small slices, the full cache is rebuilt inside and recomputed in the backward)."""
+
+    def __init__(self, method: GumbelTopK, prompt_ids, prompt_mask, positions, *, grad: bool) -> None:
+        self.method, self.model = method, trunk(method.policy)
+        self.config = method.policy.config
+        self.mask, self.position = prompt_mask, positions[:, -1:]  # [b, P], [b, 1]
+        self.grad = grad
+        with torch.set_grad_enabled(grad):
+            out = self.model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions, use_cache=True)
+        self.slices = [[(layer.keys, layer.values)] for layer in out.past_key_values.layers]  # per layer, per step
+        self.hidden = out.last_hidden_state[:, -1]  # [b, H]
+
+    def step(self, embeds: torch.Tensor) -> torch.Tensor:
+        """Feed one soft input ``[b, 1, H]``; returns the next hidden state ``[b, H]``."""
+        self.mask = torch.cat([self.mask, self.mask.new_ones(self.mask.shape[0], 1)], dim=1)  # [b, L + 1]
+        self.position = self.position + 1  # [b, 1]
+        flat = [t for layer in self.slices for kv in layer for t in kv]
+        counts = [len(layer) for layer in self.slices]
+        with torch.set_grad_enabled(self.grad):
+            if self.method.hparams.checkpoint_steps and self.grad:
+                outs = checkpoint(self._step, embeds, self.mask, self.position, counts, *flat, use_reentrant=False)
+            else:
+                outs = self._step(embeds, self.mask, self.position, counts, *flat)
+        hidden, new = outs[0], outs[1:]
+        for layer, (k, v) in zip(self.slices, zip(new[0::2], new[1::2])):
+            layer.append((k, v))
+        return hidden
+
+    def _step(self, embeds, mask, position, counts, *flat):
+        past, i = [], 0
+        for n in counts:  # rebuild each layer's cache from its slices
+            pairs = [(flat[i + 2 * j], flat[i + 2 * j + 1]) for j in range(n)]
+            past.append((torch.cat([k for k, _ in pairs], dim=2), torch.cat([v for _, v in pairs], dim=2)))
+            i += 2 * n
+        from transformers import DynamicCache
+
+        cache = DynamicCache(ddp_cache_data=past, config=self.config)
+        out = self.model(inputs_embeds=embeds, attention_mask=mask, position_ids=position, past_key_values=cache,
+                         use_cache=True)  # fmt: skip
+        new = [t for layer in cache.layers for t in (layer.keys[:, :, -1:].clone(), layer.values[:, :, -1:].clone())]
+        return (out.last_hidden_state[:, -1], *new)
+
+
+class _ReferenceStepper:
+    """The reference's side: its own KV cache, fed the hard tokens, never any gradient."""
+
+    def __init__(self, method: GumbelTopK, prompt_ids, prompt_mask, positions) -> None:
+        self.method = method
+        self.mask, self.position = prompt_mask, positions[:, -1:]
+        with torch.no_grad(), method.as_reference() as model:
+            self.head = lm_head(model)
+            out = trunk(model)(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions, use_cache=True)
+        self.cache, self.hidden = out.past_key_values, out.last_hidden_state[:, -1]  # [b, H]
+
+    def logits(self) -> torch.Tensor:
+        with torch.no_grad():
+            return _at_least_float32(self.head(self.hidden)) / self.method.hparams.temperature  # [b, V]
+
+    def step(self, token: torch.Tensor) -> None:
+        self.mask = torch.cat([self.mask, self.mask.new_ones(self.mask.shape[0], 1)], dim=1)  # [b, L + 1]
+        self.position = self.position + 1
+        with torch.no_grad(), self.method.as_reference() as model:
+            out = trunk(model)(input_ids=token[:, None], attention_mask=self.mask, position_ids=self.position,
+                               past_key_values=self.cache, use_cache=True)  # fmt: skip
+        self.hidden = out.last_hidden_state[:, -1]

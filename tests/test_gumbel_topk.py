@@ -1,0 +1,192 @@
+"""GumbelTopK on tiny models: the gradient of the whole differentiable rollout, checkpointing, truncation, the legacy
+path, a real training step, and bad settings."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+
+from lit_rl.callbacks import MemoryProfiler
+from lit_rl.data import PromptDataModule
+from lit_rl.memory.estimate import estimate_step
+from lit_rl.methods import GumbelTopK
+from lit_rl.models import LoraSettings
+
+RUN = dict(name_or_path="tiny:llama", reward_model="tiny:llama", max_new_tokens=3, learning_rate=1e-2)
+
+
+def _method(**kw) -> GumbelTopK:
+    method = GumbelTopK(**{**RUN, **kw})
+    method.setup("fit")
+    method.configure_model()
+    return method
+
+
+def _prompts(method: GumbelTopK, n: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    torch.manual_seed(1)
+    ids = torch.randint(3, 90, (n, 7))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0  # left padding
+    ids[mask == 0] = method.tokenizer.pad_token_id
+    return ids, mask
+
+
+def _loss(method: GumbelTopK, ids, mask, seed: int = 0) -> torch.Tensor:
+    """The method's loss for these prompts, with the Gumbel noise fixed by the seed."""
+    torch.manual_seed(seed)
+    rollout = method.soft_rollout(ids, mask, method.tau_at(0))
+    reward = method.score(ids, mask, rollout)  # [b]
+    return (method.hparams.beta * rollout.kl.sum(1) - reward).mean()
+
+
+def _double(method: GumbelTopK) -> GumbelTopK:
+    method.double()
+    return method
+
+
+@pytest.fixture
+def float64_rmsnorm(monkeypatch):
+    """transformers' LlamaRMSNorm computes in float32 whatever the input dtype, which makes float64 finite
+    differences meaningless (rounding at 1e-7); the same formula in the input's dtype, for these tests only."""
+    from transformers.models.llama import modeling_llama
+
+    def forward(self, hidden):
+        variance = hidden.pow(2).mean(-1, keepdim=True)
+        return self.weight * (hidden * torch.rsqrt(variance + self.variance_epsilon))
+
+    monkeypatch.setattr(modeling_llama.LlamaRMSNorm, "forward", forward)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 1.3])
+@pytest.mark.parametrize("k", [5, 0])
+def test_rollout_gradient_matches_finite_differences(temperature, k, float64_rmsnorm):
+    # the soft path (hard=False) is differentiable everywhere the top-k set and the tokens do not change
+    method = _double(_method(hard=False, gumbel_topk=k, tau=0.7, beta=0.1, temperature=temperature))
+    ids, mask = _prompts(method)
+    weight = method.policy.model.layers[0].self_attn.q_proj.weight
+    direction = torch.randn_like(weight)
+    loss = _loss(method, ids, mask)
+    (grad,) = torch.autograd.grad(loss, weight)
+    eps = 1e-6
+    with torch.no_grad():
+        weight += eps * direction
+        up = _loss(method, ids, mask)
+        weight -= 2 * eps * direction
+        down = _loss(method, ids, mask)
+        weight += eps * direction
+    numeric = (up - down) / (2 * eps)
+    assert (grad * direction).sum().item() == pytest.approx(numeric.item(), rel=1e-5, abs=1e-9)
+
+
+def test_checkpointed_steps_give_the_same_loss_and_gradients():
+    grads = []
+    for checkpointed in (False, True):
+        method = _double(_method(gumbel_topk=5, beta=0.1, checkpoint_steps=checkpointed, max_new_tokens=4))
+        ids, mask = _prompts(method)
+        loss = _loss(method, ids, mask)
+        loss.backward()
+        grads.append((loss.detach(), {n: p.grad.clone() for n, p in method.policy.named_parameters()}))
+    (loss_a, a), (loss_b, b) = grads
+    assert torch.equal(loss_a, loss_b)
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-12, atol=1e-14, msg=name)
+
+
+def test_truncated_backpropagation_cuts_the_early_steps_only():
+    full = _double(_method(gumbel_topk=5, beta=0.1, max_new_tokens=4))
+    window_all = _double(_method(gumbel_topk=5, beta=0.1, max_new_tokens=4, bptt_window=4))
+    window_one = _double(_method(gumbel_topk=5, beta=0.1, max_new_tokens=4, bptt_window=1))
+    ids, mask = _prompts(full)
+    out = []
+    for method in (full, window_all, window_one):
+        loss = _loss(method, ids, mask)
+        loss.backward()
+        out.append((loss.detach(), method.policy.model.embed_tokens.weight.grad.clone()))
+    assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][0], out[2][0])  # same forward
+    torch.testing.assert_close(out[0][1], out[1][1], rtol=1e-12, atol=1e-14)  # a window of all steps is no cut
+    assert not torch.allclose(out[0][1], out[2][1])  # one step: the early steps' gradient is gone
+
+
+def test_legacy_full_vocabulary_path_equals_top_k_with_k_equal_to_the_vocabulary():
+    results = []
+    for k in (0, None):
+        method = _double(_method(beta=0.1, max_new_tokens=3, hard=False, gumbel_topk=k if k is not None else 10**6))
+        ids, mask = _prompts(method)
+        loss = _loss(method, ids, mask)
+        loss.backward()
+        results.append((loss.detach(), method.policy.model.layers[1].mlp.up_proj.weight.grad.clone()))
+    (legacy, g_legacy), (topk, g_topk) = results
+    torch.testing.assert_close(legacy, topk, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(g_legacy, g_topk, rtol=1e-8, atol=1e-10)
+
+
+def test_straight_through_forward_feeds_the_hard_token():
+    method = _method(gumbel_topk=4, hard=True)
+    ids, mask = _prompts(method)
+    torch.manual_seed(0)
+    rollout = method.soft_rollout(ids, mask, 0.5)
+    assert torch.all((rollout.weights == 0) | (rollout.weights == 1))  # one-hot forward
+    chosen = rollout.indices.gather(-1, rollout.weights.argmax(-1, keepdim=True)).squeeze(-1)
+    assert torch.equal(chosen, rollout.tokens)
+    assert rollout.weights.requires_grad  # the backward goes through the soft weights
+    assert torch.all(rollout.topk_mass <= 1 + 1e-6) and torch.all(rollout.topk_mass > 0)
+
+
+def test_tau_schedules():
+    method = GumbelTopK(**RUN, tau=1.0, tau_min=0.1, tau_decay_steps=10, tau_schedule="linear")
+    assert [round(method.tau_at(s), 6) for s in (0, 5, 10, 20)] == [1.0, 0.55, 0.1, 0.1]
+    method = GumbelTopK(**RUN, tau=1.0, tau_min=0.1, tau_decay_steps=10, tau_schedule="exponential")
+    assert method.tau_at(5) == pytest.approx(0.1**0.5) and method.tau_at(30) == pytest.approx(0.1)
+    assert GumbelTopK(**RUN, tau=0.3).tau_at(1000) == 0.3
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_fit_logs_reward_kl_tau_and_mass_and_changes_the_weights(capture_logger, tmp_path, lora):
+    method = _method(
+        gumbel_topk=8, beta=0.05, max_new_tokens=4, metric_funcs=["lit_rl.data.rewards.correct_answer"],
+        lora=LoraSettings(r=4, alpha=8) if lora else None,
+    )  # fmt: skip
+    before = {n: p.detach().clone() for n, p in method.policy.named_parameters() if p.requires_grad}
+    reward_before = {n: p.detach().clone() for n, p in method.reward_model.named_parameters()}
+    trainer = L.Trainer(
+        max_steps=2, accelerator="cpu", logger=capture_logger, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, log_every_n_steps=1, default_root_dir=tmp_path, callbacks=[MemoryProfiler()],
+    )  # fmt: skip
+    trainer.fit(method, PromptDataModule(num_prompts=8, batch_size=2, max_prompt_length=64))
+    logged = capture_logger.metrics
+    for key in ("reward/mean", "kl/mean", "gumbel/tau", "gumbel/topk_mass", "completions/mean_length",
+                "metric/correct_answer/mean", "loss", "time/generate_s", "time/reward_s",
+                "memory/generate/peak_gib", "memory/reward/peak_gib", "memory/backward/peak_gib"):  # fmt: skip
+        assert key in logged, key
+    assert logged["kl/mean"][-1][1] > 0  # the second step's policy has moved away from the reference
+    changed = [n for n, p in method.policy.named_parameters() if p.requires_grad and not torch.equal(p, before[n])]
+    assert len(changed) == len(before)
+    assert all(torch.equal(p, reward_before[n]) for n, p in method.reward_model.named_parameters())
+    assert not any(k.startswith(("reference.", "reward_model.")) for k in method.state_dict())
+
+
+def test_estimate_runs_the_method_step_with_its_own_phases():
+    method = GumbelTopK(**{**RUN, "max_new_tokens": 4}, gumbel_topk=8, beta=0.05)
+    estimate = estimate_step(method, batch_size=2, prompt_length=16)
+    assert list(estimate.phases) == ["generate", "reward", "backward", "optimizer"]
+    names = [c.name for c in estimate.components]
+    assert "reward_model weights (frozen)" in names and "reference weights" in names
+    checkpointed = estimate_step(method, batch_size=2, prompt_length=16, checkpoint_steps=True)
+    assert checkpointed.phases["reward"] < estimate.phases["reward"]  # fewer saved tensors before the backward
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        (dict(tau=0), "tau"),
+        (dict(gumbel_topk=-1), "gumbel_topk must be >= 0"),
+        (dict(tau_schedule="cosine"), "tau_schedule"),
+        (dict(bptt_window=0), "bptt_window"),
+        (dict(gumbel_topk=0, checkpoint_steps=True), "legacy path"),
+        (dict(beta=-1.0), "beta"),
+    ],
+)
+def test_bad_settings_fail_at_construction(kw, message):
+    with pytest.raises(ValueError, match=message):
+        GumbelTopK(**{**RUN, **kw})
