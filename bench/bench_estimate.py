@@ -128,7 +128,7 @@ def measure(args: list[str], steps: int = 2) -> tuple[object, dict, list[tuple[i
     return module, profiler.summary(), shapes, settings
 
 
-def _prompts_file(folder: str) -> str:
+def prompts_file(folder: str) -> str:
     """Prompts of different lengths, so that every batch is left-padded."""
     path = Path(folder) / "prompts.jsonl"
     lines = []
@@ -249,7 +249,7 @@ def main() -> None:
     worst = 0.0
     tmp = tempfile.mkdtemp()
     for name in opts.only or list(CONFIGS):
-        args = [a.format(prompts_jsonl=_prompts_file(tmp)) for a in CONFIGS[name]]
+        args = [a.format(prompts_jsonl=prompts_file(tmp)) for a in CONFIGS[name]]
         with contextlib.redirect_stderr(io.StringIO()):
             shown = " ".join(CONFIGS[name]).replace("{prompts_jsonl}", "prompts.jsonl")
             text, errors = compare(name, args, shown)
