@@ -64,6 +64,10 @@ def _option_parser() -> argparse.ArgumentParser:
         help="the policy's config instead of name_or_path's: a config.json (or its folder), or shape:NAME with NAME "
         f"one of {', '.join(BUILTIN_SHAPES)} (no network)",
     )
+    parser.add_argument(
+        "--reward-model-config",
+        help="the reward model's config (methods that load one): a config.json (or its folder), or shape:NAME",
+    )
     parser.add_argument("--prompt-length", type=int, help="prompt tokens (default: data.max_prompt_length)")
     parser.add_argument("--batch-size", type=int, help="prompts per step (default: data.batch_size)")
     parser.add_argument(
@@ -122,6 +126,8 @@ def estimate_from_args(args: list[str]) -> tuple[Estimate, dict[str, Any], Any]:
         )
     if options.model_config is not None:
         settings["model_config"] = options.model_config
+    if options.reward_model_config is not None:
+        settings["reward_model_config"] = options.reward_model_config
     if options.padded != "auto":
         settings["padded"] = options.padded == "yes"
     return estimate_step(module, **settings), settings, module

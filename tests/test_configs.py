@@ -14,8 +14,10 @@ FRAGMENTS = sorted((ROOT / "callbacks").glob("*.yaml"))
 
 
 def _tiny_overrides(config: Path, tmp_path: Path) -> list[str]:
-    arch = "qwen2" if "qwen" in config.read_text().lower() else "llama"
-    return [
+    text = config.read_text()
+    arch = "qwen2" if "qwen" in text.lower() else "llama"
+    reward = ["--model.init_args.reward_model", f"tiny:{arch}"] if "reward_model:" in text else []
+    return [*reward,
         "--model.init_args.name_or_path", f"tiny:{arch}",
         "--model.init_args.dtype", "float32",
         "--model.init_args.max_new_tokens", "4",
@@ -30,6 +32,7 @@ def _tiny_overrides(config: Path, tmp_path: Path) -> list[str]:
 def test_there_is_a_config_per_method():
     names = {c.stem for c in CONFIGS}
     assert {"grpo", "grpo_tiny", "grpo_lora", "grpo_density", "intuitor", "intuitor_tiny"} <= names
+    assert {"gumbel_topk", "gumbel_topk_tiny", "gumbel_topk_lora"} <= names
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)

@@ -288,7 +288,8 @@ class _Run:
 
 
 class _Listener:
-    """Per-phase peaks of the tracker, plus what each occurrence kept and whether the optimizer had stepped."""
+    """Per-phase peaks of the tracker, whether the optimizer had stepped, and what the forward phases of each
+    micro-batch keep for its backward (the saved activations)."""
 
     def __init__(self, tracker: TensorMemoryTracker) -> None:
         self.tracker = tracker
@@ -297,10 +298,20 @@ class _Listener:
             reset=tracker.reset_peak,
         )
         self.stepped = False
-        self.occurrences: list[tuple[str, int, bool, int]] = []  # (phase, peak, after the first step, kept bytes)
+        self.occurrences: list[tuple[str, int, bool]] = []  # (phase, peak, after the first optimizer step)
+        self.saved, self.saved_phases = 0, ""
         self._starts: list[int] = []
+        self._kept: list[tuple[str, int]] = []  # forward phases since the update or the last backward began
+
+    def update_started(self) -> None:
+        self._kept = []
 
     def on_phase_start(self, name: str) -> None:
+        if name == BACKWARD:  # what the micro-batch's forward phases kept is what its backward consumes
+            total = sum(kept for _, kept in self._kept)
+            if total > self.saved:
+                self.saved, self.saved_phases = total, " + ".join(dict.fromkeys(n for n, _ in self._kept))
+            self._kept = []
         self.peaks.start(name)
         self.tracker.default_category = category_for(name)
         self._starts.append(self.tracker.current_bytes)
@@ -308,7 +319,9 @@ class _Listener:
     def on_phase_end(self, name: str) -> None:
         peaks = self.peaks.end()
         kept = self.tracker.current_bytes - self._starts.pop()
-        self.occurrences.append((name, peaks.get("peak_bytes", 0), self.stepped, kept))
+        if name not in SCRATCH_PHASES:
+            self._kept.append((name, kept))
+        self.occurrences.append((name, peaks.get("peak_bytes", 0), self.stepped))
         self.tracker.default_category = category_for(self.peaks.current)
 
 
@@ -336,6 +349,13 @@ def _run_step(
     listener = _Listener(tracker)
     hook = optimizer.register_step_post_hook(lambda *_: setattr(listener, "stepped", True))
     method.phases.add_listener(listener)
+    update = method.update
+
+    def watched_update(*args, **kwargs):  # every method's optimizer step goes through update()
+        listener.update_started()
+        return update(*args, **kwargs)
+
+    method.update = watched_update
     try:
         with precision_context(cast_dtype, autocast), tracker:
             tracker.track(method)
@@ -348,14 +368,11 @@ def _run_step(
     peaks = listener.peaks.phases
     run.phases = {name: peaks[name]["peak_bytes"] for name in method.phases.names if name in peaks}
     run.breakdown = {name: peaks[name].get("breakdown", {}) for name in run.phases}
-    for name, peak, after_step, _ in listener.occurrences:  # the first step has no state until its first step()
+    for name, peak, after_step in listener.occurrences:  # the first step has no state until its first step()
         first = peak if after_step else peak - run.state_bytes
         run.first_step[name] = max(run.first_step.get(name, first), first)
     run.first_step = {name: run.first_step[name] for name in run.phases}
-    # saved activations: what a forward phase keeps for the backward that follows it
-    for (name, _, _, kept), (after, *_) in zip(listener.occurrences, listener.occurrences[1:]):
-        if after == BACKWARD and name not in SCRATCH_PHASES and kept > run.saved_activations:
-            run.saved_activations, run.saved_phase = kept, name
+    run.saved_activations, run.saved_phase = listener.saved, listener.saved_phases
     return run
 
 
