@@ -42,7 +42,7 @@ from torch.utils.checkpoint import checkpoint
 
 from lit_rl.memory.phases import BACKWARD, OPTIMIZER
 from lit_rl.methods.base import RLMethod
-from lit_rl.models import lm_head, load_reward_model, trunk
+from lit_rl.models import forward_soft_embeds, lm_head, load_reward_model, trunk
 from lit_rl.ops import gumbel_softmax_topk, kl_divergence
 
 EMBEDDED_REWARD = "embedded"
@@ -53,7 +53,7 @@ class SoftRollout:
     """What a differentiable rollout produced for ``b`` sequences of up to ``C`` tokens."""
 
     weights: torch.Tensor  # [b, C, k] soft-token weights (k = V on the legacy path), differentiable
-    indices: torch.Tensor  # [b, C, k] their token ids
+    indices: torch.Tensor | None  # [b, C, k] their token ids (None on the legacy path: all of the vocabulary)
     tokens: torch.Tensor  # [b, C] hard tokens (the argmax of the weights)
     mask: torch.Tensor  # [b, C] 1 up to and including the first EOS
     kl: torch.Tensor  # [b, C] per-token KL(policy || reference), 0 where masked or without reference
@@ -218,6 +218,10 @@ class GumbelTopK(RLMethod):
     def score(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, rollout: SoftRollout) -> torch.Tensor:
         """The reward model's score ``[b]`` of the prompt (hard tokens) and the soft completion."""
         attention_mask = torch.cat([prompt_mask, rollout.mask.to(prompt_mask.dtype)], dim=1)  # [b, P + C]
+        if self.hparams.gumbel_topk == 0:  # legacy: dense [b, C, V] @ [V, H] soft tokens
+            table = self.reward_model.get_input_embeddings().weight  # [V, H]
+            embeds = rollout.weights.to(table.dtype) @ table  # [b, C, H]
+            return forward_soft_embeds(self.reward_model, prompt_ids, embeds, attention_mask)
         return self.reward_model.forward_soft_sparse(prompt_ids, rollout.indices, rollout.weights, attention_mask)
 
     # ------------------------------------------------------------------ the differentiable rollout
@@ -256,7 +260,8 @@ class GumbelTopK(RLMethod):
                     ref_logits.append(reference.logits())  # [b, V] no grad
                     kls.append(logits)  # [b, V] with grad
                 weights.append(w)
-                indices.append(idx)
+                if hp.gumbel_topk > 0:  # the legacy path's ids are arange(V): never materialised
+                    indices.append(idx)
                 tokens.append(token)
                 alive = alive & ~torch.isin(token, eos)
                 if t + 1 == c or not alive.any():
@@ -274,7 +279,7 @@ class GumbelTopK(RLMethod):
             kl = _dense_kl(torch.stack(kls, 1), torch.stack(ref_logits, 1)) * mask  # [b, C']
         return SoftRollout(
             weights=torch.stack(weights, 1),  # [b, C', k]
-            indices=torch.stack(indices, 1),  # [b, C', k]
+            indices=torch.stack(indices, 1) if indices else None,  # [b, C', k]; None on the legacy path
             tokens=torch.stack(tokens, 1),  # [b, C']
             mask=mask,
             kl=kl,

@@ -27,7 +27,7 @@ from lit_rl.models.loading import (
     resolve_source,
     trunk,
 )
-from lit_rl.models.reward import forward_soft_sparse, load_reward_model
+from lit_rl.models.reward import forward_soft_embeds, forward_soft_sparse, load_reward_model
 
 __all__ = [
     "DTYPES",
@@ -45,6 +45,7 @@ __all__ = [
     "embedded_default_path",
     "embedded_gguf_path",
     "enable_activation_checkpointing",
+    "forward_soft_embeds",
     "forward_soft_sparse",
     "lm_head",
     "load_causal_lm",

@@ -14,12 +14,24 @@ must be a decoder that scores the last non-padding position (Llama, Qwen2, Mistr
 
 from __future__ import annotations
 
+import copy
 import types
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-from lit_rl.models.loading import DTYPES, EMBEDDED, TINY_PREFIX, load_tokenizer, resolve_source, trunk
+from lit_rl.models.loading import (
+    DTYPES,
+    EMBEDDED,
+    TINY_PREFIX,
+    build_from_config,
+    load_tokenizer,
+    meta_config,
+    resolve_dtype,
+    resolve_source,
+    trunk,
+)
 
 # attribute names of the classification head on the last hidden state, in the order they are tried
 HEAD_NAMES = ("score", "classifier", "classification_head", "v_head")
@@ -33,6 +45,7 @@ def load_reward_model(
     dtype: str = "float32",
     trust_remote_code: bool = False,
     vocab_size: int | None = None,
+    path_provider: Callable[[], str] | None = None,
 ):
     """A frozen ``...ForSequenceClassification`` with one label and a ``forward_soft_sparse`` method.
 
@@ -47,6 +60,9 @@ def load_reward_model(
         dtype: ``float32``, ``bfloat16``, ``float16`` or ``auto``; the score is float32 whatever this is.
         trust_remote_code: run model code shipped with the checkpoint. Off unless you trust it.
         vocab_size: only for ``tiny:*`` models (to match a tokenizer).
+        path_provider: called for the folder to load when weights are read (e.g. one that builds the embedded
+            reward model on first use); ``name_or_path`` still names the model, and inside
+            :func:`~lit_rl.models.build_on_meta` only its config is built, so the provider is never called.
 
     Raises:
         ValueError: a head that was not in the checkpoint, ``num_labels != 1``, a vocabulary other
@@ -55,6 +71,18 @@ def load_reward_model(
     if dtype not in DTYPES:
         raise ValueError(f"reward_model.dtype: {dtype!r} is not one of {sorted(DTYPES)}")
     torch_dtype = DTYPES[dtype]
+    config = meta_config("reward", name_or_path)
+    if config is not None:  # an estimate: shapes only, so no tokenizer or parity check
+        from transformers import AutoModelForSequenceClassification
+
+        config = copy.deepcopy(config)
+        config.num_labels = 1
+        model = build_from_config(AutoModelForSequenceClassification, config, resolve_dtype(dtype, config))
+        freeze(model)
+        model.forward_soft_sparse = types.MethodType(forward_soft_sparse, model)
+        return model
+    if path_provider is not None:
+        name_or_path = path_provider()
     if name_or_path.startswith(TINY_PREFIX):
         from transformers import AutoModelForSequenceClassification
 
@@ -173,14 +201,24 @@ def forward_soft_sparse(
     Returns:
         ``[B]`` float32 scores, read at the last position whose mask is 1; gradients flow to ``soft_weights``.
     """
+    completion = soft_embeddings(model.get_input_embeddings(), soft_indices, soft_weights)  # [B, C, H]
+    return forward_soft_embeds(model, input_ids, completion, attention_mask)
+
+
+def forward_soft_embeds(
+    model, input_ids: torch.Tensor, completion_embeds: torch.Tensor, attention_mask: torch.Tensor
+) -> torch.Tensor:
+    """Score prompts (hard tokens) followed by completions given as input embeddings ``[B, C, H]``.
+
+    :func:`forward_soft_sparse` builds those from k rows per position; the legacy full-vocabulary path of
+    GumbelTopK builds them densely (``[B, C, V] @ [V, H]``).
+    """
     B, P = input_ids.shape
-    C = soft_indices.shape[1]
+    C = completion_embeds.shape[1]
     if attention_mask.shape != (B, P + C):
         raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}; expected {(B, P + C)}")
-    embedding = model.get_input_embeddings()
-    prompt = embedding(input_ids)  # [B, P, H]
-    completion = soft_embeddings(embedding, soft_indices, soft_weights)  # [B, C, H]
-    inputs_embeds = torch.cat([prompt, completion.to(prompt.dtype)], dim=1)  # [B, P + C, H]
+    prompt = model.get_input_embeddings()(input_ids)  # [B, P, H]
+    inputs_embeds = torch.cat([prompt, completion_embeds.to(prompt.dtype)], dim=1)  # [B, P + C, H]
     mask = attention_mask.long()  # [B, P + C]
     position_ids = (mask.cumsum(-1) - 1).clamp_min(0)  # [B, P + C] as in left-padded generation
     out = trunk(model)(inputs_embeds=inputs_embeds, attention_mask=mask, position_ids=position_ids, use_cache=False)
@@ -188,7 +226,8 @@ def forward_soft_sparse(
     positions = torch.arange(P + C, device=mask.device)  # [P + C]
     last = (positions * mask).argmax(-1)  # [B] rightmost position whose mask is 1
     pooled = hidden[torch.arange(B, device=hidden.device), last]  # [B, H]
-    return classification_head(model)(pooled)[:, 0].float()  # [B]
+    score = classification_head(model)(pooled)[:, 0]  # [B]
+    return score.to(torch.promote_types(score.dtype, torch.float32))  # float32 (float64 kept)
 
 
 def check_parity(model, name: str) -> None:
