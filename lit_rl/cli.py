@@ -4,6 +4,7 @@ lit-rl fit --config configs/grpo.yaml
 lit-rl fit --config configs/grpo.yaml --config callbacks/memory_profiler.yaml --trainer.max_steps 5
 lit-rl fit --model.help RefCachedGRPO
 lit-rl embed --config configs/grpo_density.yaml      # offline embedding cache for density sampling
+lit-rl reward-model                                  # train the embedded arithmetic reward model (GumbelTopK)
 """
 
 from __future__ import annotations
@@ -161,6 +162,11 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args and args[0] == "estimate":
         _estimate(args[1:])
+        return
+    if args and args[0] == "reward-model":
+        from lit_rl.data.reward_model import main as reward_model_main
+
+        reward_model_main(args[1:])
         return
     LitRLCLI(args=argv)  # None: LightningCLI reads sys.argv itself
 
