@@ -70,7 +70,6 @@ def test_sparse_equals_dense_value_and_gradient_float64(reward_folder):
     )  # [B]
     (grad_dense,) = torch.autograd.grad((dense * torch.tensor([1.0, -2.0, 0.5])).sum(), dense_w)
 
-    assert sparse.dtype == torch.float32
     torch.testing.assert_close(sparse.double(), dense, rtol=0, atol=1e-6)
     torch.testing.assert_close(grad_sparse, grad_dense.gather(-1, soft_indices), rtol=1e-9, atol=1e-12)
     assert grad_sparse.abs().sum() > 0
@@ -91,6 +90,7 @@ def test_one_hot_equals_the_models_own_score(reward_folder):
         position_ids = (attention_mask.cumsum(-1) - 1).clamp_min(0)  # [B, P + C]
         batched = model(input_ids=hard, attention_mask=attention_mask, position_ids=position_ids).logits[:, 0]
         alone = torch.stack([model(input_ids=hard[b, attention_mask[b].bool()][None]).logits[0, 0] for b in range(2)])
+    assert got.dtype == torch.float32
     torch.testing.assert_close(got, batched, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got, alone, rtol=1e-5, atol=1e-5)
 
@@ -163,3 +163,109 @@ def test_tiny_architectures_pass_the_parity_check(arch):
         torch.ones(2, 7),
     )  # [B]
     assert score.shape == (2,) and torch.isfinite(score).all()
+
+
+# ---------------------------------------------------------------- the built-in arithmetic reward model (tiny trunk)
+def test_features_equal_a_plain_forward_and_the_soft_sparse_score():
+    from lit_rl.data.reward_model import build_classifier, extract_features, score_soft_sparse
+
+    model, tok = build_classifier("tiny:llama")
+    torch.nn.init.normal_(model.score.weight, std=0.5)
+    enc = [tok(t, add_special_tokens=False)["input_ids"] for t in ("Hi: 7+5?", "Hi: 12+30?", "Hi: 1?")]
+    groups = [
+        (enc[0], [[30, 31, 2], [33]]),  # a one-token completion
+        (enc[1], [[40, 41, 42, 43, 44, 2]]),
+        (enc[2], [[50, 51], [52, 53, 54], [55]]),
+    ]
+    last, mean = extract_features(model, groups, pad_id=tok.pad_token_id, prompts_per_batch=2, rows_per_batch=2)
+    body = model.model
+    with torch.no_grad():
+        for i, (p, c) in enumerate([(p, c) for p, cs in groups for c in cs]):
+            hidden = body(input_ids=torch.tensor([p + c]))[0][0]  # [P + C, H]
+            torch.testing.assert_close(last[i], hidden[-1], rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(mean[i], hidden[len(p) :].mean(0), rtol=1e-4, atol=1e-5)
+    scores = score_soft_sparse(model_with_soft(model), groups, pad_id=tok.pad_token_id, batch_size=4)  # [N]
+    torch.testing.assert_close(scores, last @ model.score.weight[0], rtol=1e-4, atol=1e-5)
+
+
+def model_with_soft(model):
+    import types
+
+    model.forward_soft_sparse = types.MethodType(forward_soft_sparse, model)
+    return model
+
+
+def test_heldout_questions_are_never_trained_on_and_labels_come_from_the_checker():
+    from lit_rl.data import PromptDataModule
+    from lit_rl.data.reward_model import build_groups, question_records
+    from lit_rl.data.rewards import correct_answer
+
+    train = question_records(60, heldout=False, difficulties=(1, 2, 3), seed=0)
+    held = question_records(30, heldout=True, difficulties=(1, 2, 3), seed=1)
+    assert len(train) == 60 and len(held) == 30
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in held}
+    tok = tiny_tokenizer()
+    formatter = PromptDataModule()
+    formatter.connect(tok)
+    groups, labels = build_groups(train[:10], tok, formatter, 8, seed=0)
+    assert labels.shape == (80,) and 0.2 < labels.float().mean() < 0.8
+    prompt_ids, completions = groups[0]
+    assert tok.decode(prompt_ids) == formatter.format_prompt(train[0]["prompt"])
+    texts = [tok.decode(c, skip_special_tokens=True) for c in completions]
+    assert labels[:8].tolist() == correct_answer(texts, [train[0]["answer"]] * 8)
+
+
+def test_train_writes_a_loadable_reward_model_with_its_metrics(tmp_path):
+    from lit_rl.data.reward_model import META_FILE, train_arithmetic_reward_model
+
+    out = tmp_path / "rm"
+    meta = train_arithmetic_reward_model(
+        out, base="tiny:llama", num_train=48, num_policy_train=16, num_heldout=16, policy_samples=8, max_new_tokens=4
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rm"]  # no temporary folder left behind
+    saved = json.loads((out / META_FILE).read_text())
+    assert saved["num_train"] == 48 and saved["num_policy_train"] == 16 and saved["heldout"]["last_token"]["n"] == 16
+    assert set(saved["heldout"]) == {"last_token", "by_difficulty", "mean_pooled_diagnostic"}
+    assert saved["policy_samples"]["last_token"]["n"] == 8
+    assert saved["policy_samples"]["feature_path_max_abs_diff"] < 1e-4
+    model = load_reward_model(str(out), policy_tokenizer=tiny_tokenizer())
+    assert model.score.weight.abs().sum() > 0 and meta["l2"] == saved["l2"]
+
+
+def test_an_interrupted_run_leaves_no_folder(tmp_path, monkeypatch):
+    from lit_rl.data import reward_model
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(reward_model, "score_soft_sparse", interrupted)  # runs once the folder is half written
+    with pytest.raises(KeyboardInterrupt):
+        reward_model.train_arithmetic_reward_model(
+            tmp_path / "rm", base="tiny:llama", num_train=16, num_policy_train=0, num_heldout=8, policy_samples=8
+        )
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_embedded_path_reuses_the_cache_and_says_how_to_make_it(tmp_path, monkeypatch):
+    from lit_rl.data.reward_model import META_FILE, embedded_reward_model_path
+
+    monkeypatch.setenv("LIT_RL_CACHE", str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="lit-rl reward-model"):
+        embedded_reward_model_path(train_if_missing=False)
+    folder = tmp_path / "SmolLM2-135M-Instruct-arithmetic-rm"
+    folder.mkdir()
+    (folder / META_FILE).write_text("{}")
+    assert embedded_reward_model_path() == folder
+
+
+def test_main_trains_and_refuses_a_foreign_folder(tmp_path, capsys):
+    from lit_rl.data.reward_model import main
+
+    small = ["--num-train", "16", "--num-policy-train", "8", "--num-heldout", "8", "--difficulties", "1", "2"]
+    main(["--base", "tiny:llama", "--out", str(tmp_path / "rm"), *small])
+    saved = json.loads((tmp_path / "rm" / "reward_model.json").read_text())
+    assert saved["difficulties"] == [1, 2] and saved["num_policy_train"] == 8
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    with pytest.raises(SystemExit, match=r"^error: lit-rl reward-model: .* holds no reward_model.json"):
+        main(["--base", "tiny:llama", "--out", str(tmp_path / "other"), *small])
