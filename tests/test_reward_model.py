@@ -167,7 +167,8 @@ def test_tiny_architectures_pass_the_parity_check(arch):
 
 # ---------------------------------------------------------------- the built-in arithmetic reward model (tiny trunk)
 def test_features_equal_a_plain_forward_and_the_soft_sparse_score():
-    from lit_rl.data.reward_model import build_classifier, extract_features, score_soft_sparse
+    from lit_rl.data.reward_fit import extract_features
+    from lit_rl.data.reward_model import build_classifier, score_soft_sparse
 
     model, tok = build_classifier("tiny:llama")
     torch.nn.init.normal_(model.score.weight, std=0.5)

@@ -20,7 +20,6 @@ Run it with ``python -m lit_rl.data.reward_model --out DIR`` (``lit-rl reward-mo
 from __future__ import annotations
 
 import argparse
-import copy
 import hashlib
 import inspect
 import json
@@ -33,14 +32,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from lightning.pytorch.utilities import rank_zero_info
 from tqdm.auto import tqdm
 
 from lit_rl.data.datamodule import PromptDataModule
+from lit_rl.data.reward_fit import agreement, choose_and_fit, extract_features, pad
 from lit_rl.data.rewards import correct_answer
 from lit_rl.data.tasks import arithmetic_prompts
-from lit_rl.models import EMBEDDED, EMBEDDED_NAME, TINY_PREFIX, cache_dir, load_tokenizer, resolve_source, trunk
+from lit_rl.models import EMBEDDED, EMBEDDED_NAME, TINY_PREFIX, cache_dir, load_tokenizer, resolve_source
 
 META_FILE = "reward_model.json"
 
@@ -110,133 +109,6 @@ def build_groups(records, tokenizer, formatter: PromptDataModule, per_prompt: in
     return groups, torch.tensor(labels)
 
 
-def _pad(seqs: list[list[int]], pad_id: int, *, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[n, L]`` ids and mask of ``seqs`` padded to one length, on the left (prompts) or the right."""
-    L = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), L), pad_id, dtype=torch.long)  # [n, L]
-    mask = torch.zeros(len(seqs), L, dtype=torch.long)  # [n, L]
-    for i, seq in enumerate(seqs):
-        span = slice(L - len(seq), L) if left else slice(0, len(seq))
-        ids[i, span], mask[i, span] = torch.tensor(seq, dtype=torch.long), 1
-    return ids, mask
-
-
-def _common_prefix(seqs: list[list[int]]) -> int:
-    n = min(len(s) for s in seqs) - 1  # every prompt keeps at least one token of its own
-    for i in range(n):
-        if any(s[i] != seqs[0][i] for s in seqs):
-            return i
-    return max(n, 0)
-
-
-@torch.no_grad()
-def extract_features(
-    model, groups, *, pad_id: int, prompts_per_batch: int = 16, rows_per_batch: int = 64, desc: str = "features"
-):
-    """The trunk's last-token hidden state and the mean over the completion's tokens, per completion.
-
-    Work is shared where the result cannot change: the prompts' common prefix (the chat template's
-    system turn) runs once per batch, each prompt once, and its KV cache is then reused by its
-    completions, sorted by length so little padding is computed. Positions come from the mask, as in
-    :func:`lit_rl.models.forward_soft_sparse`, so the last-token feature is what the ``score`` head reads there.
-
-    Args:
-        model: a ``...ForSequenceClassification`` (or any model whose trunk :func:`lit_rl.models.trunk` finds).
-        groups: ``(prompt_ids, [completion_ids, ...])`` per prompt; every completion non-empty.
-        pad_id: the padding token id.
-        prompts_per_batch: prompts per trunk call; rows_per_batch: completions per trunk call.
-
-    Returns:
-        ``(last [N, H], mean [N, H])`` float32, completions in the order of ``groups``.
-    """
-    body = trunk(model)
-    device = next(model.parameters()).device
-    n_total = sum(len(c) for _, c in groups)
-    H = model.config.get_text_config().hidden_size
-    last, mean = torch.zeros(n_total, H), torch.zeros(n_total, H)  # [N, H]
-    offset = 0
-    with tqdm(total=n_total, desc=desc, unit="pair", disable=None) as bar:
-        for start in range(0, len(groups), prompts_per_batch):
-            chunk = groups[start : start + prompts_per_batch]
-            shared = _common_prefix([p for p, _ in chunk])
-            cache = None
-            if shared:
-                cache = body(input_ids=torch.tensor([chunk[0][0][:shared]], device=device), use_cache=True)[1]
-                cache.batch_select_indices(torch.zeros(len(chunk), dtype=torch.long, device=device))
-            ids, rest_mask = _pad([p[shared:] for p, _ in chunk], pad_id, left=True)  # [b, R] after the prefix
-            prompt_mask = torch.cat([torch.ones(len(chunk), shared, dtype=torch.long), rest_mask], 1).to(device)
-            position_ids = (prompt_mask.cumsum(-1) - 1).clamp_min(0)[:, shared:]  # [b, R]
-            cache = body(
-                input_ids=ids.to(device),
-                attention_mask=prompt_mask,
-                position_ids=position_ids,
-                past_key_values=cache,
-                use_cache=True,
-            )[1]
-            rows = [(row, c) for row, (_, cs) in enumerate(chunk) for c in cs]
-            order = sorted(range(len(rows)), key=lambda i: len(rows[i][1]))
-            for b0 in range(0, len(order), rows_per_batch):
-                pick = order[b0 : b0 + rows_per_batch]
-                h_last, h_mean = _completion_features(body, cache, prompt_mask, [rows[i] for i in pick], pad_id)
-                last[offset + torch.tensor(pick)], mean[offset + torch.tensor(pick)] = h_last, h_mean
-                bar.update(len(pick))
-            offset += len(rows)
-    return last, mean
-
-
-def _completion_features(body, prompt_cache, prompt_mask, rows, pad_id):
-    """Last-token and mean hidden states ``[n, H]`` of right-padded completions continuing cached prompts."""
-    device = prompt_mask.device
-    cache = copy.deepcopy(prompt_cache)  # the prompt cache serves the next bucket too
-    owner = torch.tensor([row for row, _ in rows], device=device)  # [n]
-    cache.batch_select_indices(owner)
-    ids, cmask = _pad([c for _, c in rows], pad_id, left=False)  # [n, C]
-    ids, cmask = ids.to(device), cmask.to(device)
-    mask = torch.cat([prompt_mask[owner], cmask], dim=1)  # [n, P + C]
-    hidden = body(
-        input_ids=ids,
-        attention_mask=mask,
-        position_ids=(mask.cumsum(-1) - 1)[:, prompt_mask.shape[1] :],
-        past_key_values=cache,
-        use_cache=True,
-    )[0].float()  # [n, C, H]
-    lengths = cmask.sum(-1)  # [n]
-    h_last = hidden[torch.arange(len(rows), device=device), lengths - 1]  # [n, H]
-    h_mean = (hidden * cmask[..., None]).sum(1) / lengths[:, None]  # [n, H]
-    return h_last.cpu(), h_mean.cpu()
-
-
-def fit_linear_head(features: torch.Tensor, labels: torch.Tensor, *, l2: float = 1e-3, steps: int = 300):
-    """The ``[H]`` weight of a logistic regression of ``labels [N]`` on ``features [N, H]``, full-batch LBFGS.
-
-    No intercept (the ``score`` head has no bias); ridge term ``l2 * |w|^2 / 2`` on the mean loss.
-    """
-    x, y = features.double(), labels.double()  # [N, H], [N]
-    w = torch.zeros(x.shape[1], dtype=torch.float64, requires_grad=True)  # [H]
-    opt = torch.optim.LBFGS([w], lr=1, max_iter=steps, history_size=20, line_search_fn="strong_wolfe")
-
-    def closure():
-        opt.zero_grad()
-        loss = F.binary_cross_entropy_with_logits(x @ w, y) + 0.5 * l2 * (w * w).sum()
-        loss.backward()
-        return loss
-
-    opt.step(closure)
-    return w.detach().float()
-
-
-def agreement(scores: torch.Tensor, labels: torch.Tensor) -> dict[str, float | None]:
-    """Accuracy of ``score > 0`` against the checker, AUC (ties count half), and the positive rate."""
-    scores, labels = scores.float(), labels.bool()
-    pos, neg = scores[labels], scores[~labels]
-    auc = None  # undefined when the checker gives one label only
-    if len(pos) and len(neg):
-        diff = pos[:, None] - neg[None, :]  # [n_pos, n_neg]
-        auc = ((diff > 0).float() + 0.5 * (diff == 0).float()).mean().item()
-    accuracy = ((scores > 0) == labels).float().mean().item()
-    return {"accuracy": accuracy, "auc": auc, "positive_rate": labels.float().mean().item(), "n": len(labels)}
-
-
 def build_classifier(base: str, *, seed: int = 0):
     """A ``...ForSequenceClassification`` with one label on ``base``'s trunk, and ``base``'s tokenizer."""
     from transformers import AutoModelForSequenceClassification
@@ -262,18 +134,6 @@ def build_classifier(base: str, *, seed: int = 0):
     model.config.pad_token_id = tokenizer.pad_token_id  # the model's own forward finds the last token with it
     model.requires_grad_(False).eval()
     return model, tokenizer
-
-
-def choose_and_fit(features, labels, prompt_of, *, l2_grid=(1e-3, 1e-2, 1e-1)):
-    """Pick the ridge weight by AUC on every fifth prompt (``prompt_of [N]``: each pair's prompt), refit on all."""
-    val = prompt_of % 5 == 4  # [N]
-
-    def val_auc(l2: float) -> float:
-        w = fit_linear_head(features[~val], labels[~val], l2=l2)
-        return agreement(features[val] @ w, labels[val])["auc"] or 0.0
-
-    best = max(l2_grid, key=val_auc) if val.any() else l2_grid[0]
-    return fit_linear_head(features, labels, l2=best), best
 
 
 def sample_policy_groups(
@@ -305,7 +165,7 @@ def sample_policy_groups(
         prompts = [
             tokenizer(formatter.format_prompt(r["prompt"]), add_special_tokens=False)["input_ids"] for r in chunk
         ]
-        ids, mask = _pad(prompts, tokenizer.pad_token_id, left=True)  # [b, P]
+        ids, mask = pad(prompts, tokenizer.pad_token_id, left=True)  # [b, P]
         with torch.no_grad():
             out = policy.generate(input_ids=ids, attention_mask=mask, generation_config=config)  # [b*G, P + C]
         rows = [r[: r.index(eos) + 1] if eos in r else r for r in out[:, ids.shape[1] :].tolist()]
@@ -321,8 +181,8 @@ def score_soft_sparse(reward_model, groups, *, pad_id: int, batch_size: int = 32
     rows = [(p, c) for p, cs in groups for c in cs]
     scores = []
     for start in range(0, len(rows), batch_size):
-        ids, prompt_mask = _pad([p for p, _ in rows[start : start + batch_size]], pad_id, left=True)  # [b, P]
-        comp, comp_mask = _pad([c for _, c in rows[start : start + batch_size]], pad_id, left=False)  # [b, C]
+        ids, prompt_mask = pad([p for p, _ in rows[start : start + batch_size]], pad_id, left=True)  # [b, P]
+        comp, comp_mask = pad([c for _, c in rows[start : start + batch_size]], pad_id, left=False)  # [b, C]
         mask = torch.cat([prompt_mask, comp_mask], dim=1)  # [b, P + C]
         with torch.no_grad():
             scores.append(reward_model.forward_soft_sparse(ids, comp[..., None], torch.ones(*comp.shape, 1), mask))
