@@ -39,6 +39,7 @@ from typing import Any, ClassVar, Literal
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+from transformers import DynamicCache
 
 from lit_rl.memory.phases import BACKWARD, OPTIMIZER
 from lit_rl.methods.base import RLMethod
@@ -350,8 +351,6 @@ class _PolicyStepper:
             pairs = [(flat[i + 2 * j], flat[i + 2 * j + 1]) for j in range(n)]
             past.append((torch.cat([k for k, _ in pairs], dim=2), torch.cat([v for _, v in pairs], dim=2)))
             i += 2 * n
-        from transformers import DynamicCache
-
         cache = DynamicCache(ddp_cache_data=past, config=self.config)
         out = self.model(inputs_embeds=embeds, attention_mask=mask, position_ids=position, past_key_values=cache,
                          use_cache=True)  # fmt: skip
