@@ -17,6 +17,7 @@ What a step *does* lives in the subclasses: each declares its phase names and im
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, ClassVar
@@ -24,6 +25,7 @@ from typing import Any, ClassVar
 import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.warnings import PossibleUserWarning
 
 from lit_rl.data.rewards import resolve_reward_fn, score
 from lit_rl.memory.phases import BACKWARD, OPTIMIZER, PhaseTracker
@@ -121,6 +123,8 @@ class RLMethod(L.LightningModule):
 
     # ------------------------------------------------------------------ models
     def setup(self, stage: str) -> None:
+        # the frozen reference and reward model are in eval mode on purpose; Lightning would warn at every fit
+        warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode", category=PossibleUserWarning)
         if self.tokenizer is None:
             self.tokenizer = load_tokenizer(
                 self.name_or_path,
