@@ -1,0 +1,519 @@
+"""GumbelTopK memory: one step's per-phase peak, measured and predicted, legacy vs top-k vs top-k + checkpointing.
+
+Seed analysis 001 claims that the memory-efficient GRADE design (top-k Gumbel-softmax, online KL, a KV-cached
+reference, sparse reward gather, per-step checkpointing) has a 3-4x lower peak than the naive one, and that the
+top-256 tokens keep > 99.9 % of the probability mass; seed 003 describes the naive version running out of memory.
+This bench measures instead.
+
+For each vocabulary (49,152: SmolLM2's; 151,936: Qwen's), completion length and path (``gumbel_topk: 0``, the
+legacy full-vocabulary path; ``gumbel_topk: 256``; ``gumbel_topk: 256`` with ``checkpoint_steps: true``), two real
+steps run on CPU with the :class:`~lit_rl.callbacks.MemoryProfiler` (exact tensor accounting), and step 1 (the
+steady state, optimizer state allocated) is compared with :func:`~lit_rl.memory.estimate.estimate_step` for the
+same settings. The models are random (nothing is downloaded): a ``LlamaForCausalLM`` policy and a
+``LlamaForSequenceClassification`` reward model (``num_labels=1``) with the same small trunk
+(:func:`lit_rl.testing.tiny_config`: hidden 256, intermediate 512, 4 layers, 4 attention heads, 2 KV heads,
+tied embeddings), saved with ``save_pretrained`` beside the character-level test tokenizer so that GumbelTopK
+loads them by path. Full fine-tuning with ``beta > 0``: the reference is a frozen copy of the policy.
+
+Pinned so that both sides describe the same step (as in ``bench_estimate.py``): the method's ``eos_ids`` is an
+id outside the vocabulary, so every rollout has ``max_new_tokens`` tokens; the estimate gets the prompt width
+and padding of the measured batch. A config whose *predicted* step peak exceeds ``--max-gib`` is not run (its
+prediction is still shown, marked "not measured"), so the legacy path cannot take the shared machine down.
+
+The top-k mass is ``gumbel/topk_mass`` of the measured steps: a random model's next-token distribution is nearly
+uniform, so it says nothing about a trained model; the full run adds the same quantity for the trained
+SmolLM2-135M-Instruct (the embedded model, if installed) sampling with top-256 at temperature 1.
+
+Run (about 15 minutes on 2 shared cores; tensor bytes do not depend on the machine's load, the wall times do)::
+
+    python bench/bench_gumbel.py              # writes bench/results/gumbel.md and gumbel_peak_vs_length.png
+    python bench/bench_gumbel.py --quick      # vocab 49,152, 32 new tokens, the three paths; prints only
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import io
+import logging
+import os
+import platform
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# runnable from a checkout without `pip install -e .`
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+from lightning.pytorch.callbacks import Callback  # noqa: E402
+from typing_extensions import override  # noqa: E402
+
+from lit_rl.callbacks import MemoryProfiler  # noqa: E402
+from lit_rl.data import PromptDataModule  # noqa: E402
+from lit_rl.memory.estimate import GIB, MIB, estimate_step  # noqa: E402
+from lit_rl.memory.tracker import CATEGORIES  # noqa: E402
+from lit_rl.methods import GumbelTopK  # noqa: E402
+from lit_rl.testing import tiny_config, tiny_tokenizer  # noqa: E402
+
+VOCABS = (49_152, 151_936)
+TOKENS = (32, 64, 128)
+TOPK = 256
+# path name -> GumbelTopK settings
+PATHS = {
+    "legacy": dict(gumbel_topk=0),
+    "top-k": dict(gumbel_topk=TOPK),
+    "top-k + ckpt": dict(gumbel_topk=TOPK, checkpoint_steps=True),
+}
+PHASES = ("generate", "reward", "backward", "optimizer")
+TRUNK = dict(hidden_size=256, num_layers=4)  # tiny_config: intermediate 2 x hidden, 4 heads, 2 KV heads, tied
+BATCH = 2  # prompts per step, 1 generation each
+METHOD = dict(num_generations=1, beta=0.05, tau=0.5, hard=True, learning_rate=1e-5)
+RESULTS = ROOT / "bench" / "results"
+
+
+@dataclass
+class Case:
+    """One (vocabulary, length, path) configuration and what was measured and predicted for it."""
+
+    vocab: int
+    tokens: int
+    path: str
+    predicted: dict[str, int] = field(default_factory=dict)  # steady-state phase -> bytes
+    measured: dict[str, int] = field(default_factory=dict)  # step 1 phase -> bytes ({} when not run)
+    step_peak: int = 0  # measured step 1 peak
+    rss_peak: int = 0  # measured step 1 process peak RSS
+    breakdown: dict[str, int] = field(default_factory=dict)  # measured step 1, per category at the step peak
+    estimate: object = None
+    shapes: list[tuple[int, bool]] = field(default_factory=list)  # per measured step: prompt width, padded
+    mass: list[float] = field(default_factory=list)  # gumbel/topk_mass per measured step
+    skipped: str = ""
+    measure_s: float = 0.0
+    estimate_s: float = 0.0
+
+    @property
+    def name(self) -> str:
+        return f"V={self.vocab:,} C={self.tokens} {self.path}"
+
+    @property
+    def predicted_peak(self) -> int:
+        return max(self.predicted.values())
+
+    def error(self, phase: str | None = None) -> float:
+        """(predicted - measured) / measured in %, of one phase or of the step peak."""
+        m = self.step_peak if phase is None else self.measured.get(phase, 0)
+        p = self.predicted_peak if phase is None else self.predicted[phase]
+        return 100.0 * (p - m) / m if m else float("nan")
+
+
+# ------------------------------------------------------------------------------------------------ models and data
+
+
+def build_models(folder: Path, vocab: int) -> tuple[str, str]:
+    """Random policy and reward model of vocabulary ``vocab``, saved with the tokenizer; returns their folders."""
+    from transformers import LlamaForCausalLM, LlamaForSequenceClassification
+
+    tokenizer = tiny_tokenizer()
+    policy_dir, reward_dir = folder / f"policy-{vocab}", folder / f"reward-{vocab}"
+    torch.manual_seed(0)
+    LlamaForCausalLM(tiny_config("llama", vocab_size=vocab, **TRUNK)).save_pretrained(policy_dir)
+    torch.manual_seed(1)
+    reward = LlamaForSequenceClassification(tiny_config("llama", vocab_size=vocab, num_labels=1, **TRUNK))
+    reward.save_pretrained(reward_dir)  # pad_token_id = 0 (<pad>) comes with tiny_config
+    for path in (policy_dir, reward_dir):
+        tokenizer.save_pretrained(path)
+    return str(policy_dir), str(reward_dir)
+
+
+def datamodule() -> PromptDataModule:
+    return PromptDataModule(num_prompts=16, batch_size=BATCH, max_prompt_length=256, seed=0)
+
+
+def planned_shapes(steps: int = 2) -> list[tuple[int, bool]]:
+    """Prompt width and padding of the first ``steps`` batches (the sampling stream is seeded, so every run sees
+    these), for the estimate of a config that is not run."""
+    dm = datamodule()
+    dm.connect(tiny_tokenizer())
+    dm.setup("fit")
+    shapes = []
+    for batch, _ in zip(dm.train_dataloader(), range(steps)):
+        shapes.append((batch["input_ids"].shape[1], bool((batch["attention_mask"] == 0).any())))
+    return shapes
+
+
+def method(policy_dir: str, reward_dir: str, tokens: int, path: str) -> GumbelTopK:
+    return GumbelTopK(name_or_path=policy_dir, reward_model=reward_dir, max_new_tokens=tokens, **METHOD, **PATHS[path])
+
+
+# ------------------------------------------------------------------------------------------------ measure, predict
+
+
+def predict(case: Case, module: GumbelTopK, width: int, padded: bool) -> None:
+    start = time.perf_counter()
+    case.estimate = estimate_step(module, batch_size=BATCH, prompt_length=width, padded=padded, device_type="cpu")
+    case.predicted = dict(case.estimate.phases)
+    case.estimate_s = time.perf_counter() - start
+
+
+class MeasureFromStep(Callback):
+    """Adds ``profiler`` to the Trainer once ``step`` optimizer steps are done, so the steps before it run at full
+    speed: tensor accounting slows a GumbelTopK step about 3x here, and only the steady state is reported."""
+
+    def __init__(self, profiler: MemoryProfiler, step: int) -> None:
+        self.profiler, self.step = profiler, step
+
+    @override
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step >= self.step and self.profiler not in trainer.callbacks:
+            self.profiler.setup(trainer, pl_module, "fit")
+            trainer.callbacks.append(self.profiler)
+
+
+def measure(case: Case, module: GumbelTopK, steps: int = 2) -> None:
+    """``steps`` real steps, the last one with the MemoryProfiler; fills the steady-state peaks of ``case``."""
+    profiler = MemoryProfiler(every_n_steps=1, predict=False)
+    train_step = module.train_step
+
+    def recording_train_step(batch):
+        case.shapes.append((batch["input_ids"].shape[1], bool((batch["attention_mask"] == 0).any())))
+        metrics, n = train_step(batch)
+        case.mass.append(metrics["gumbel/topk_mass"])
+        return metrics, n
+
+    module.train_step = recording_train_step
+    # an id outside the vocabulary is never sampled: every rollout runs to max_new_tokens
+    module.eos_ids = lambda: [case.vocab]
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=1,
+            max_steps=steps,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[MeasureFromStep(profiler, steps - 1)],
+            default_root_dir=tmp,
+        )
+        trainer.fit(module, datamodule())
+    case.measure_s = time.perf_counter() - start
+    record = profiler.summary()["steps"][-1]
+    case.measured = {p: v["peak_bytes"] for p, v in record["phases"].items()}
+    case.step_peak = record["total"]["peak_bytes"]
+    case.rss_peak = record["total"].get("rss_peak_bytes", 0)
+    case.breakdown = dict(record["total"].get("breakdown", {}))
+
+
+def run_case(case: Case, dirs: tuple[str, str], planned: list[tuple[int, bool]], max_bytes: float) -> Case:
+    """Predict ``case``, and measure it too if the prediction fits in ``max_bytes``."""
+    width, padded = planned[1]
+    predict(case, method(*dirs, case.tokens, case.path), width, padded)
+    if case.predicted_peak > max_bytes:
+        case.skipped = f"predicted {case.predicted_peak / GIB:.1f} GiB > --max-gib {max_bytes / GIB:g}"
+    else:
+        measure(case, method(*dirs, case.tokens, case.path))
+        if case.shapes[1] != (width, padded):  # the stream is seeded: only if the data module changed
+            predict(case, method(*dirs, case.tokens, case.path), *case.shapes[1])
+    gc.collect()
+    return case
+
+
+def trained_topk_mass(k: int = TOPK, prompts: int = 8, new_tokens: int = 32) -> tuple[float, float, int, int] | None:
+    """Top-``k`` mass of SmolLM2-135M-Instruct's next-token distribution along its own samples (top-``k`` sampling at
+    temperature 1: the tokens a hard top-``k`` Gumbel rollout draws), over ``prompts`` arithmetic prompts, up to and
+    including each completion's EOS: ``(mean, minimum, vocabulary, positions)``; ``None`` without the embedded model."""
+    from lit_rl.models import load_causal_lm, load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer("embedded")
+        model = load_causal_lm("embedded").eval()
+    except Exception:  # not installed: the random-model numbers stand alone
+        return None
+    dm = PromptDataModule(num_prompts=prompts, batch_size=prompts, max_prompt_length=256, seed=0)
+    dm.connect(tokenizer)
+    dm.setup("fit")
+    batch = next(iter(dm.train_dataloader()))
+    p = batch["input_ids"].shape[1]
+    torch.manual_seed(0)
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], do_sample=True, top_k=k,
+            temperature=1.0, max_new_tokens=new_tokens, pad_token_id=tokenizer.pad_token_id,
+        )  # fmt: skip
+        eos = out[:, p:] == tokenizer.eos_token_id  # [B, C]
+        keep = (eos.cumsum(1) - eos.long()) == 0  # [B, C] up to and including the first EOS
+        mask = torch.cat([batch["attention_mask"], keep.long()], 1)  # [B, P + C]
+        logits = model(input_ids=out, attention_mask=mask).logits[:, p - 1 : -1].float()  # [B, C, V]
+        mass = logits.softmax(-1).topk(k, dim=-1).values.sum(-1)[keep]  # [positions]
+    return mass.mean().item(), mass.min().item(), logits.shape[-1], mass.numel()
+
+
+# ------------------------------------------------------------------------------------------------ report
+
+
+def mib(b: float) -> str:
+    return f"{b / MIB:,.1f}"
+
+
+def phase_table(cases: list[Case]) -> list[str]:
+    lines = [
+        "| vocab | new tokens | path | phase | predicted MiB | measured MiB | error % | process RSS peak MiB |",
+        "| ---: | ---: | --- | --- | ---: | ---: | ---: | ---: |",
+    ]
+    for c in cases:
+        for phase in (*PHASES, "step peak"):
+            p = c.predicted_peak if phase == "step peak" else c.predicted.get(phase, 0)
+            if c.skipped:
+                m, err = "not measured", "—"
+            else:
+                m = mib(c.step_peak if phase == "step peak" else c.measured.get(phase, 0))
+                err = f"{c.error(None if phase == 'step peak' else phase):+.2f}"
+            shown = f"**{phase}**" if phase == "step peak" else phase
+            rss = mib(c.rss_peak) if phase == "step peak" and c.rss_peak else ""
+            lines.append(f"| {c.vocab:,} | {c.tokens} | {c.path} | {shown} | {mib(p)} | {m} | {err} | {rss} |")
+    return lines
+
+
+def index(cases: list[Case]) -> dict[tuple[int, int, str], Case]:
+    return {(c.vocab, c.tokens, c.path): c for c in cases}
+
+
+def peak_of(c: Case | None) -> tuple[float, bool]:
+    """(step peak bytes, measured?): the measured peak, or the prediction of a config that was not run."""
+    if c is None:
+        return float("nan"), False
+    return (c.predicted_peak, False) if c.skipped else (c.step_peak, True)
+
+
+def summary_table(cases: list[Case]) -> list[str]:
+    by = index(cases)
+    lines = [
+        "| vocab | new tokens | legacy MiB | top-k MiB | top-k + ckpt MiB | legacy / top-k | legacy / top-k + ckpt "
+        "| top-k / top-k + ckpt | non-weight MiB: legacy / top-k / ckpt | worst phase error % |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for vocab, tokens in sorted({(c.vocab, c.tokens) for c in cases}):
+        peaks = [peak_of(by.get((vocab, tokens, p))) for p in PATHS]
+        cells = [f"{mib(b)}{'' if ok else ' (predicted, not run)'}" for b, ok in peaks]
+        (lg, _), (tk, _), (ck, _) = peaks
+        ratios = [f"{a / b:.2f}x" if a == a and b == b else "—" for a, b in ((lg, tk), (lg, ck), (tk, ck))]
+        non_weight = []
+        for p in PATHS:
+            c = by.get((vocab, tokens, p))
+            if c is None or c.skipped:
+                non_weight.append("—")
+            else:
+                non_weight.append(mib(c.breakdown.get("activations", 0) + c.breakdown.get("temporaries", 0)))
+        errors = [
+            abs(c.error(ph)) for p in PATHS if (c := by.get((vocab, tokens, p))) and not c.skipped for ph in PHASES
+        ]
+        worst = f"{max(errors):.2f}" if errors else "—"
+        lines.append(f"| {vocab:,} | {tokens} | {' | '.join(cells)} | {' | '.join(ratios)} | {' / '.join(non_weight)} "
+                     f"| {worst} |")  # fmt: skip
+    return lines
+
+
+def growth_table(cases: list[Case]) -> list[str]:
+    """MiB of step peak per extra new token between consecutive lengths."""
+    lengths = sorted({c.tokens for c in cases})
+    if len(lengths) < 2:
+        return ["(one length only: no growth to show)"]
+    pairs = list(zip(lengths, lengths[1:]))
+    head = " | ".join(f"MiB / token {a}->{b}" for a, b in pairs)
+    lines = [f"| vocab | path | {head} |", "| ---: | --- |" + " ---: |" * len(pairs)]
+    by = index(cases)
+    for vocab in sorted({c.vocab for c in cases}):
+        for path in PATHS:
+            cells = []
+            for a, b in pairs:
+                (pa, oka), (pb, okb) = peak_of(by.get((vocab, a, path))), peak_of(by.get((vocab, b, path)))
+                cells.append(f"{(pb - pa) / (b - a) / MIB:,.2f}{'' if oka and okb else ' (predicted)'}")
+            lines.append(f"| {vocab:,} | {path} | {' | '.join(cells)} |")
+    return lines
+
+
+def breakdown_section(cases: list[Case]) -> list[str]:
+    """Where the steady-state peak of the largest measured top-k config goes: the profiler's categories at the step
+    peak for both top-k paths, then the estimate's component table of the plain top-k path."""
+    measured = [c for c in cases if not c.skipped and c.path in ("top-k", "top-k + ckpt")]
+    vocab, tokens = max((c.vocab, c.tokens) for c in measured)
+    shown = [c for c in measured if (c.vocab, c.tokens) == (vocab, tokens)]
+    lines = [
+        f"#### vocab {vocab:,}, {tokens} new tokens: measured (`memory/breakdown/*` at the steady-state step peak)",
+        "",
+        "| category | " + " | ".join(f"{c.path} MiB | share" for c in shown) + " |",
+        "| --- |" + " ---: | ---: |" * len(shown),
+    ]
+    for category in (*CATEGORIES, "total"):
+        cells = []
+        for c in shown:
+            total = sum(c.breakdown.values()) or 1
+            b = total if category == "total" else c.breakdown.get(category, 0)
+            cells.append(f"{mib(b)} | {100 * b / total:.1f} %")
+        lines.append(f"| {category} | {' | '.join(cells)} |")
+    lines.append("")
+    lines.append(
+        "at the peak of phase: " + ", ".join(f"{c.path}: `{max(c.measured, key=c.measured.get)}`" for c in shown)
+    )
+    table = next(c for c in shown if c.path == shown[0].path).estimate.table().splitlines()
+    return [*lines, "", f"Predicted (the estimate's component table, {shown[0].path}):", "", "```", *table, "```"]
+
+
+def plot(cases: list[Case], png: Path) -> None:
+    from matplotlib.figure import Figure  # no pyplot: no global backend state, Agg canvas only
+
+    vocabs = sorted({c.vocab for c in cases})
+    fig = Figure(figsize=(5.5 * len(vocabs), 4.2))
+    axes = fig.subplots(1, len(vocabs), squeeze=False)[0]
+    by = index(cases)
+    for ax, vocab in zip(axes, vocabs):
+        for path, color in zip(PATHS, ("tab:red", "tab:blue", "tab:green")):
+            points = [(t, *peak_of(by.get((vocab, t, path)))) for t in sorted({c.tokens for c in cases})]
+            xs, ys = [t for t, _, _ in points], [b / MIB for _, b, _ in points]
+            ax.plot(xs, ys, color=color, label=path, linestyle=":" if not all(ok for *_, ok in points) else "-")
+            ax.scatter([t for t, _, ok in points if ok], [b / MIB for _, b, ok in points if ok], color=color)
+            ax.scatter([t for t, _, ok in points if not ok], [b / MIB for _, b, ok in points if not ok],
+                       facecolors="none", edgecolors=color)  # fmt: skip
+        ax.set_xticks(sorted({c.tokens for c in cases}), [str(t) for t in sorted({c.tokens for c in cases})])
+        ax.set_xlabel("new tokens (full length, batch 2)")
+        ax.set_ylabel("step peak held by tensors, MiB")
+        ax.set_title(f"vocab {vocab:,}")
+        ax.grid(True, alpha=0.3)  # linear axes: the slope is the MiB per new token of the growth table
+        ax.legend(fontsize="small", title="filled: measured; hollow: predicted only", title_fontsize="x-small")
+    fig.suptitle("GumbelTopK steady-state step peak (CPU tensor accounting), random 4-layer hidden-256 trunk")
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="vocab 49,152, 32 new tokens, the three paths; no files")
+    parser.add_argument("--vocab", type=int, default=None, help="with --quick: this vocabulary (default 49,152)")
+    parser.add_argument("--new-tokens", type=int, default=None, help="with --quick: this length (default 32)")
+    parser.add_argument("--max-gib", type=float, default=10.0,
+                        help="run a config only if its predicted step peak is below this (default 10)")  # fmt: skip
+    parser.add_argument("--out", type=Path, default=None,
+                        help="folder for gumbel.md and the PNG (default bench/results; --quick writes none)")  # fmt: skip
+    return parser.parse_args(argv)
+
+
+def run(opts: argparse.Namespace) -> list[Case]:
+    """Every config of the grid (the smallest only with ``--quick``), predicted and, where it fits, measured."""
+    quick = ((opts.vocab or VOCABS[0],), (opts.new_tokens or TOKENS[0],))
+    vocabs, lengths = quick if opts.quick else (VOCABS, TOKENS)
+    planned = planned_shapes()
+    cases: list[Case] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for vocab in vocabs:
+            dirs = build_models(Path(tmp), vocab)
+            for tokens in lengths:
+                for path in PATHS:
+                    case = Case(vocab, tokens, path)
+                    with contextlib.redirect_stderr(io.StringIO()):
+                        run_case(case, dirs, planned, opts.max_gib * GIB)
+                    cases.append(case)
+                    status = case.skipped or (
+                        f"peak {mib(case.step_peak)} MiB (predicted {mib(case.predicted_peak)}), "
+                        f"{case.measure_s:.0f} s measured + {case.estimate_s:.0f} s predicted"
+                    )
+                    print(f"  {case.name}: {status}", file=sys.stderr, flush=True)
+    return cases
+
+
+def report(cases: list[Case], cmd: str, wall: float, mass: tuple[float, float, int, int] | None) -> str:
+    measured = [c for c in cases if not c.skipped]
+    masses: dict[tuple[int, str], list[float]] = {}
+    for c in measured:
+        if c.path in ("top-k", "top-k + ckpt"):
+            masses.setdefault((c.vocab, c.path), []).extend(c.mass)
+    worst = max(abs(c.error(p)) for c in measured for p in (*PHASES, None))
+    width, padded = next((c.shapes[-1] for c in cases if c.shapes), (None, None))
+    text = [
+        f"Command: `{cmd}`",
+        "",
+        f"Machine: `{platform.platform()}`, {os.cpu_count()} cores ({torch.get_num_threads()} torch threads, shared "
+        f"with other jobs), torch {torch.__version__}. Tensor bytes do not depend on the machine's load; the wall "
+        f"times do. Total wall time: {wall:.0f} s.",
+        "",
+        "Models: random `LlamaForCausalLM` policy and `LlamaForSequenceClassification` reward model (num_labels=1), "
+        "trunk hidden 256, intermediate 512, 4 layers, 4 heads (2 KV heads), tied embeddings, fp32, full fine-tuning; "
+        f"{BATCH} prompts x 1 generation, beta {METHOD['beta']} (frozen reference copy), tau {METHOD['tau']}, hard "
+        f"(straight-through), EOS disabled (every rollout has the full length), AdamW. Steady-state batch: prompt "
+        f"width {width}, padded {padded}. Two steps per config; the second (optimizer state allocated) is measured "
+        f"and compared with `estimate_step`. Not measured: configs whose predicted peak exceeds `--max-gib`.",
+        "",
+        "### Per-phase peaks of the steady-state step (MiB held by tensors, resident weights included)",
+        "",
+        *phase_table(cases),
+        "",
+        "### Step peak: legacy vs top-k vs top-k + checkpointing",
+        "",
+        "Non-weight = `activations` + `temporaries` of the profiler's breakdown at the step peak (all but "
+        "parameters, gradients and optimizer state).",
+        "",
+        *summary_table(cases),
+        "",
+        "### Growth of the step peak with the completion length",
+        "",
+        *growth_table(cases),
+        "",
+    ]
+    text += [
+        f"### Top-{TOPK} mass (`gumbel/topk_mass`)",
+        "",
+        "| vocab | path | mean over the measured steps | k / V (uniform) |",
+        "| ---: | --- | ---: | ---: |",
+        *[f"| {v:,} | {p} | {sum(m) / len(m):.5f} | {TOPK / v:.5f} |" for (v, p), m in sorted(masses.items())],
+        "",
+        "The policies are random: their next-token distribution is nearly uniform, far flatter than a trained "
+        "model's, so this mass is close to k / V and says nothing about the seed's > 99.9 % claim either way.",
+    ]
+    if mass is not None:
+        text += [
+            "",
+            f"A trained model for comparison: SmolLM2-135M-Instruct (the embedded model, vocab {mass[2]:,}) sampling "
+            f"with top-{TOPK} at temperature 1 (the tokens a hard top-{TOPK} Gumbel rollout draws), 8 arithmetic "
+            f"prompts, up to 32 new tokens each, {mass[3]} positions up to and including EOS: top-{TOPK} mass mean "
+            f"{mass[0]:.5f}, minimum {mass[1]:.5f}.",
+        ]
+    text += [
+        "",
+        "### Where the steady-state peak goes",
+        "",
+        *breakdown_section(cases),
+        "",
+        f"Worst steady-state error (phases and step peak) over the measured configs: {worst:.2f} %.",
+    ]
+    return "\n".join(text)
+
+
+def main(argv: list[str] | None = None) -> str:
+    opts = parse_args(argv)
+    torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+    out_dir = opts.out if opts.out is not None else (None if opts.quick else RESULTS)
+    cmd = "python bench/bench_gumbel.py" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
+    print(f"bench_gumbel: {'writing to ' + str(out_dir) if out_dir else 'printing only'}", file=sys.stderr)
+    start = time.perf_counter()
+    cases = run(opts)
+    mass = None if opts.quick else trained_topk_mass()
+    text = report(cases, cmd, time.perf_counter() - start, mass)
+    print(text)
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "gumbel.md").write_text(f"# GumbelTopK: the memory of one step, measured and predicted\n\n{text}\n")
+        plot(cases, out_dir / "gumbel_peak_vs_length.png")
+        print(f"wrote {out_dir / 'gumbel.md'} and {out_dir / 'gumbel_peak_vs_length.png'}", file=sys.stderr)
+    return text
+
+
+if __name__ == "__main__":
+    main()
