@@ -24,7 +24,8 @@ The top-k mass is ``gumbel/topk_mass`` of the measured steps: a random model's n
 uniform, so it says nothing about a trained model; the full run adds the same quantity for the trained
 SmolLM2-135M-Instruct (the embedded model, if installed) sampling with top-256 at temperature 1.
 
-Run (about 15 minutes on 2 shared cores; tensor bytes do not depend on the machine's load, the wall times do)::
+Run (77 minutes for the full grid on 2 cores shared with other jobs, load average 3-6; the quick case 2.5 minutes
+at load 2, 5.5 at higher loads; tensor bytes do not depend on the machine's load, the wall times do)::
 
     python bench/bench_gumbel.py              # writes bench/results/gumbel.md and gumbel_peak_vs_length.png
     python bench/bench_gumbel.py --quick      # vocab 49,152, 32 new tokens, the three paths; prints only
@@ -39,6 +40,7 @@ import io
 import logging
 import os
 import platform
+import subprocess
 import sys
 import tempfile
 import time
@@ -427,6 +429,16 @@ def run(opts: argparse.Namespace) -> list[Case]:
     return cases
 
 
+def commit() -> str:
+    """The checkout's short commit, ``+`` when lit_rl/ has uncommitted changes (``?`` outside a git checkout)."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "lit_rl"], cwd=ROOT, capture_output=True, text=True)
+    except OSError:
+        return "?"
+    return (head.stdout.strip() or "?") + ("+" if dirty.stdout.strip() else "")
+
+
 def report(cases: list[Case], cmd: str, wall: float, mass: tuple[float, float, int, int] | None) -> str:
     measured = [c for c in cases if not c.skipped]
     masses: dict[tuple[int, str], list[float]] = {}
@@ -438,9 +450,9 @@ def report(cases: list[Case], cmd: str, wall: float, mass: tuple[float, float, i
     text = [
         f"Command: `{cmd}`",
         "",
-        f"Machine: `{platform.platform()}`, {os.cpu_count()} cores ({torch.get_num_threads()} torch threads, shared "
-        f"with other jobs), torch {torch.__version__}. Tensor bytes do not depend on the machine's load; the wall "
-        f"times do. Total wall time: {wall:.0f} s.",
+        f"lit_rl at commit `{commit()}`. Machine: `{platform.platform()}`, {os.cpu_count()} cores "
+        f"({torch.get_num_threads()} torch threads, shared with other jobs), torch {torch.__version__}. Tensor bytes "
+        f"do not depend on the machine's load; the wall times do. Total wall time: {wall:.0f} s.",
         "",
         "Models: random `LlamaForCausalLM` policy and `LlamaForSequenceClassification` reward model (num_labels=1), "
         "trunk hidden 256, intermediate 512, 4 layers, 4 heads (2 KV heads), tied embeddings, fp32, full fine-tuning; "
