@@ -1,8 +1,8 @@
 """Exact full-vocabulary KL(policy || reference) per token, from the two models' hidden states.
 
 For each row, ``p = softmax(zp)`` and ``q = softmax(zq)`` with ``zp = (hidden_p @ weight_p.T + bias_p) / T``
-and ``zq = (hidden_q @ weight_q.T + bias_q) / T`` (each model's own LM head, one shared vocabulary), and the
-result is ``KL(p || q) = sum_v p_v (log p_v - log q_v)``, exactly, over the whole vocabulary.
+and ``zq = (hidden_q @ weight_q.T + bias_q) / T`` (each model's own LM head, one shared vocabulary, each with
+its own logit scale and softcap if it has them, see :mod:`lit_rl.ops.head`), and the result is ``KL(p || q) = sum_v p_v (log p_v - log q_v)``, exactly, over the whole vocabulary.
 
 Why: GumbelTopK penalises the policy's drift from the reference at every step of a differentiable rollout.
 The seed analysis (``../shared/seeds/001_ebeccb407099ee5b.txt``) first stored the reference logits
@@ -18,7 +18,7 @@ How, in one pass over vocabulary blocks: running maxima and sums give ``logsumex
 ``E_p[zp - zq]``; then ``KL = E_p[zp - zq] - logsumexp(zp) + logsumexp(zq)``. Backward recomputes each
 block and applies ``dKL/dzp_v = p_v * ((log p_v - log q_v) - KL) = p_v * ((zp_v - zq_v) - E_p[zp - zq])``
 (the logits are not normalised, so the shift is ``E_p[zp - zq]``, not the KL) and ``dKL/dzq_v = q_v - p_v``,
-each divided by ``T`` on the way to hidden state, weight and bias. Gradients go to every input that
+each taken through ``T`` (and the side's scale and softcap) on the way to hidden state, weight and bias. Gradients go to every input that
 requires grad, the reference side included (it normally needs none, and then none is computed for it).
 
 What is saved for backward: the two hidden states and references to the two weights and biases (tensors
@@ -46,6 +46,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from lit_rl.ops import token_math
+from lit_rl.ops.head import chain_, check_transform, softcap_slope
 from lit_rl.ops.token_math import block_logits, plan_chunks
 
 # float32 [tokens, vocab] blocks alive at once: the two logits blocks and a third (zp - zq, or q)
@@ -128,6 +129,8 @@ class _KLFn(torch.autograd.Function):
         temperature: float,
         tc: int,
         vc: int,
+        head_p: tuple[float, float | None],  # (scale, softcap)
+        head_q: tuple[float, float | None],
     ) -> Tensor:
         n, v = hidden_p.shape[0], weight_p.shape[0]
         cdtype = torch.float32
@@ -147,8 +150,8 @@ class _KLFn(torch.autograd.Function):
                 wq, bq = _head_rows(weight_q, bias_q, v0, v1, cdtype)  # [vc, H'], [vc]
                 for t0 in range(0, n, tc):
                     t1 = min(n, t0 + tc)
-                    zp = block_logits(hidden_p[t0:t1].to(cdtype), wp, bp, temperature)  # [tc, vc]
-                    zq = block_logits(hidden_q[t0:t1].to(cdtype), wq, bq, temperature)  # [tc, vc]
+                    zp = block_logits(hidden_p[t0:t1].to(cdtype), wp, bp, temperature, *head_p)  # [tc, vc]
+                    zq = block_logits(hidden_q[t0:t1].to(cdtype), wq, bq, temperature, *head_q)  # [tc, vc]
                     d = zp - zq  # [tc, vc]
                     ep, scale_p = _online_logsumexp_step(m_p[t0:t1], s_p[t0:t1], zp)  # [tc, vc], [tc]
                     a[t0:t1] = a[t0:t1] * scale_p + d.mul_(ep).sum(dim=-1)
@@ -161,22 +164,22 @@ class _KLFn(torch.autograd.Function):
         kl = mean_d + (lse_q - lse_p)  # [N]
 
         ctx.save_for_backward(hidden_p, weight_p, bias_p, hidden_q, weight_q, bias_q, lse_p, lse_q, mean_d)
-        ctx.temperature, ctx.tc, ctx.vc = temperature, tc, vc
+        ctx.temperature, ctx.tc, ctx.vc, ctx.head_p, ctx.head_q = temperature, tc, vc, head_p, head_q
         return kl
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_kl: Tensor | None):
         hidden_p, weight_p, bias_p, hidden_q, weight_q, bias_q, lse_p, lse_q, mean_d = ctx.saved_tensors
-        temperature, tc, vc = ctx.temperature, ctx.tc, ctx.vc
+        temperature, tc, vc, (scale_p, cap_p), (scale_q, cap_q) = ctx.temperature, ctx.tc, ctx.vc, ctx.head_p, ctx.head_q
         needs = ctx.needs_input_grad
         need_p, need_q = any(needs[0:3]), any(needs[3:6])
         if grad_kl is None or not (need_p or need_q):
-            return (None,) * 9
+            return (None,) * 11
 
         n, v = hidden_p.shape[0], weight_p.shape[0]
         cdtype = lse_p.dtype
-        g = grad_kl.to(cdtype) / temperature  # [N], the chain rule through z = (h W^T + b) / T
+        g = grad_kl.to(cdtype)  # [N]; chain_ takes each block through temperature, scale and softcap
         acc_p = _HeadGrads(hidden_p, weight_p, bias_p, needs[0:3], cdtype)
         acc_q = _HeadGrads(hidden_q, weight_q, bias_q, needs[3:6], cdtype)
         with torch.autocast(hidden_p.device.type, enabled=False):
@@ -189,22 +192,26 @@ class _KLFn(torch.autograd.Function):
                 for t0 in range(0, n, tc):
                     t1 = min(n, t0 + tc)
                     hp, hq = hidden_p[t0:t1].to(cdtype), hidden_q[t0:t1].to(cdtype)  # [tc, H], [tc, H']
-                    zp = block_logits(hp, wp, bp, temperature)  # [tc, vc]
-                    zq = block_logits(hq, wq, bq, temperature)  # [tc, vc]
+                    zp = block_logits(hp, wp, bp, temperature, scale_p, cap_p)  # [tc, vc]
+                    zq = block_logits(hq, wq, bq, temperature, scale_q, cap_q)  # [tc, vc]
+                    slope_p = softcap_slope(zp, cap_p, temperature) if need_p else None  # [tc, vc] or None
+                    slope_q = softcap_slope(zq, cap_q, temperature) if need_q else None  # [tc, vc] or None
                     q = (zq - lse_q[t0:t1, None]).exp_() if need_q else None  # [tc, vc]
                     d = zq.neg_().add_(zp)  # [tc, vc], zp - zq in zq's storage
                     p = zp.sub_(lse_p[t0:t1, None]).exp_()  # [tc, vc]
                     dzp = dzq = None
                     if need_p:
                         dzp = d.sub_(mean_d[t0:t1, None]).mul_(p).mul_(g[t0:t1, None])  # [tc, vc], p (log p/q - KL)
+                        chain_(dzp, slope_p, scale_p, temperature)
                         acc_p.add(t0, t1, v0, v1, dzp, hp, wp)
                     if need_q:
                         dzq = q.sub_(p).mul_(g[t0:t1, None])  # [tc, vc], q - p
+                        chain_(dzq, slope_q, scale_q, temperature)
                         acc_q.add(t0, t1, v0, v1, dzq, hq, wq)
-                    del zp, zq, p, d, q, dzp, dzq  # free this block before the next is allocated
+                    del zp, zq, p, d, q, dzp, dzq, slope_p, slope_q  # free this block before the next is allocated
                 acc_p.close(v0, v1)
                 acc_q.close(v0, v1)
-        return *acc_p.result(hidden_p, bias_p), *acc_q.result(hidden_q, bias_q), None, None, None
+        return *acc_p.result(hidden_p, bias_p), *acc_q.result(hidden_q, bias_q), None, None, None, None, None
 
 
 def kl_divergence(
@@ -216,13 +223,17 @@ def kl_divergence(
     temperature: float = 1.0,
     bias_p: Tensor | None = None,
     bias_q: Tensor | None = None,
+    scale_p: float = 1.0,
+    softcap_p: float | None = None,
+    scale_q: float = 1.0,
+    softcap_q: float | None = None,
     chunk_size: int | None = None,
     _vocab_chunk: int | None = None,
 ) -> Tensor:
     """Per-row full-vocabulary KL(p || q) from two hidden states and LM heads, without materialising logits.
 
-    ``p = softmax((hidden_p @ weight_p.T + bias_p) / temperature)``, ``q`` likewise from the ``_q`` inputs;
-    differentiable w.r.t. every tensor input that requires grad.
+    ``p = softmax(softcap_p(scale_p * (hidden_p @ weight_p.T + bias_p)) / temperature)``, ``q`` likewise from
+    the ``_q`` inputs (see :mod:`lit_rl.ops.head`); differentiable w.r.t. every tensor input that requires grad.
 
     Args:
         hidden_p: policy hidden states ``[..., H]``, any float dtype.
@@ -232,6 +243,11 @@ def kl_divergence(
         temperature: both sides' logits are divided by it, must be positive.
         bias_p: optional policy LM-head bias ``[V]``.
         bias_q: optional reference LM-head bias ``[V]``.
+        scale_p: the policy's raw logits are multiplied by it.
+        softcap_p: ``c`` of the policy head's final ``c * tanh(z / c)``, or ``None``; each softcap keeps one more
+            block alive in backward, which the automatic plan accounts for.
+        scale_q: as ``scale_p``, for the reference.
+        softcap_q: as ``softcap_p``, for the reference.
         chunk_size: rows (tokens) per block; ``None`` chooses token and vocabulary blocks so that the three
             live float32 blocks stay within token_math's 64 MiB budget. Given, the vocabulary block is chosen
             to keep that budget.
@@ -260,11 +276,16 @@ def kl_divergence(
             raise ValueError(f"{name} {tuple(bias.shape)} must be [V] = [{weight_p.shape[0]}]")
     if not temperature > 0:
         raise ValueError(f"temperature must be positive, got {temperature}")
+    check_transform(scale_p, softcap_p)
+    check_transform(scale_q, softcap_q)
     lead = hidden_p.shape[:-1]
     flat_p = hidden_p.reshape(-1, hidden_p.shape[-1])  # [N, H]
     flat_q = hidden_q.reshape(-1, hidden_q.shape[-1])  # [N, H']
     n, v, h = flat_p.shape[0], weight_p.shape[0], max(flat_p.shape[1], flat_q.shape[1])
-    budget = token_math.LOGITS_BUDGET_BYTES // _LIVE_BLOCKS  # read at each call, like token_math
+    live = _LIVE_BLOCKS + (softcap_p is not None) + (softcap_q is not None)  # a softcap's slope is one more block
+    budget = token_math.LOGITS_BUDGET_BYTES // live  # read at each call, like token_math
     tc, vc = plan_chunks(n, v, h, chunk_size, _vocab_chunk, budget)
-    kl = _KLFn.apply(flat_p, weight_p, bias_p, flat_q, weight_q, bias_q, float(temperature), tc, vc)
+    head_p = (float(scale_p), None if softcap_p is None else float(softcap_p))
+    head_q = (float(scale_q), None if softcap_q is None else float(softcap_q))
+    kl = _KLFn.apply(flat_p, weight_p, bias_p, flat_q, weight_q, bias_q, float(temperature), tc, vc, head_p, head_q)
     return kl.reshape(lead)

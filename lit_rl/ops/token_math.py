@@ -1,8 +1,8 @@
 """Logits-free token math: selected-token log-probs, entropy and self-certainty from hidden states.
 
 A policy update needs, per token, a handful of scalars that depend on the whole vocabulary row of
-logits ``z = (h @ W.T + b) / temperature``: the log-normaliser ``logsumexp(z)``, the selected logit
-``z[target]``, the mean logit and ``E_p[z]``. Materialising ``z`` for a batch costs ``B * T * V * 4``
+logits ``z = softcap(scale * (h @ W.T + b)) / temperature`` (the head transforms of :mod:`lit_rl.ops.head`):
+the log-normaliser ``logsumexp(z)``, the selected logit ``z[target]``, the mean logit and ``E_p[z]``. Materialising ``z`` for a batch costs ``B * T * V * 4``
 bytes (8 GiB for 8 x 1024 tokens and a 256k vocabulary), and autograd would keep it, plus the
 softmax, until backward. Here ``z`` is computed one block at a time — a block of tokens (``B * T``
 flattened) by a block of vocabulary rows — and reduced on the fly with an online logsumexp, so the
@@ -16,7 +16,8 @@ backward recomputes each block of logits and turns it into gradients straight aw
 Memory bound (beyond inputs and outputs): one float32 logits block ``[tokens, vocab]`` of at most
 ``LOGITS_BUDGET_BYTES`` (64 MiB), about two such blocks live at a time, plus float32 copies of one
 hidden chunk and one weight chunk when the inputs are bf16/fp16 (the automatic plan keeps those
-within the budget too). Backward adds one float32 gradient accumulator: ``[N, H]`` for the hidden
+within the budget too). A softcap keeps a third block alive in backward (its slope), so then each block
+gets two thirds of the budget. Backward adds one float32 gradient accumulator: ``[N, H]`` for the hidden
 states when the weight needs a gradient (loop over vocabulary blocks outside, so each weight
 block's gradient is summed once in float32 and written once), else only ``[tokens, H]`` (loop over
 token blocks outside).
@@ -35,6 +36,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
+
+from lit_rl.ops.head import chain_, check_transform, softcap_slope, transform_block_
 
 # Byte budget of one float32 logits block when the chunk sizes are chosen automatically (read at each call).
 LOGITS_BUDGET_BYTES = 64 * 2**20
@@ -92,14 +95,18 @@ def plan_chunks(
     return max(1, min(n, tc)), max(1, vc)
 
 
-def block_logits(h: Tensor, w: Tensor, b: Tensor | None, temperature: float) -> Tensor:
-    """Float32 logits ``(h @ w.T + b) / temperature`` of one block; ``h`` and ``w`` are already in the compute dtype.
+def block_logits(
+    h: Tensor, w: Tensor, b: Tensor | None, temperature: float, scale: float = 1.0, softcap: float | None = None
+) -> Tensor:
+    """Float32 logits ``softcap(scale * (h @ w.T + b)) / temperature`` of one block (see :mod:`lit_rl.ops.head`).
 
     Args:
-        h: hidden rows of the block ``[tc, H]``.
-        w: LM-head weight rows of the block ``[vc, H]``.
+        h: hidden rows of the block ``[tc, H]``, already in the compute dtype.
+        w: LM-head weight rows of the block ``[vc, H]``, already in the compute dtype.
         b: bias entries of the block ``[vc]``, or ``None``.
         temperature: logits are divided by it.
+        scale: raw logits are multiplied by it.
+        softcap: ``c`` of ``c * tanh(z / c)``, or ``None``.
 
     Returns:
         The ``[tc, vc]`` logits block (a new tensor: callers may modify it in place).
@@ -107,9 +114,7 @@ def block_logits(h: Tensor, w: Tensor, b: Tensor | None, temperature: float) -> 
     z = h @ w.T  # [tc, vc]
     if b is not None:
         z += b
-    if temperature != 1.0:
-        z /= temperature
-    return z
+    return transform_block_(z, scale, softcap, temperature)
 
 
 class _TokenStatsFn(torch.autograd.Function):
@@ -127,6 +132,8 @@ class _TokenStatsFn(torch.autograd.Function):
         vc: int,
         want_entropy: bool,
         want_sc: bool,
+        scale: float,
+        softcap: float | None,
     ) -> tuple[Tensor, Tensor, Tensor]:
         n, v = hidden.shape[0], weight.shape[0]
         cdtype = torch.promote_types(torch.promote_types(hidden.dtype, weight.dtype), torch.float32)
@@ -144,14 +151,14 @@ class _TokenStatsFn(torch.autograd.Function):
                 b = bias[v0:v1].to(cdtype) if bias is not None else None  # [vc]
                 for t0 in range(0, n, tc):
                     t1 = min(n, t0 + tc)
-                    z = block_logits(hidden[t0:t1].to(cdtype), w, b, temperature)  # [tc, vc]
+                    z = block_logits(hidden[t0:t1].to(cdtype), w, b, temperature, scale, softcap)  # [tc, vc]
                     m_old = m[t0:t1]
                     m_new = torch.maximum(m_old, z.amax(dim=-1))  # [tc]
-                    scale = torch.exp(m_old - m_new)  # [tc], 0 on the first block
+                    rescale = torch.exp(m_old - m_new)  # [tc], 0 on the first block
                     e = (z - m_new[:, None]).exp_()  # [tc, vc], in place: no third block
-                    s[t0:t1] = s[t0:t1] * scale + e.sum(dim=-1)
+                    s[t0:t1] = s[t0:t1] * rescale + e.sum(dim=-1)
                     if ez is not None:
-                        ez[t0:t1] = ez[t0:t1] * scale + e.mul_(z).sum(dim=-1)
+                        ez[t0:t1] = ez[t0:t1] * rescale + e.mul_(z).sum(dim=-1)
                     if zsum is not None:
                         zsum[t0:t1] += z.sum(dim=-1)
                     if sel is not None:
@@ -166,7 +173,7 @@ class _TokenStatsFn(torch.autograd.Function):
         sc = lse - zsum / v - math.log(v) if zsum is not None else None  # [N]
 
         ctx.save_for_backward(hidden, weight, bias, targets, lse, ent)
-        ctx.temperature, ctx.tc, ctx.vc = temperature, tc, vc
+        ctx.temperature, ctx.tc, ctx.vc, ctx.scale, ctx.softcap = temperature, tc, vc, scale, softcap
         # unrequested outputs: distinct empty placeholders, no gradient
         placeholders = [hidden.new_empty(0, dtype=cdtype) for t in (logp, ent, sc) if t is None]
         if placeholders:
@@ -180,7 +187,7 @@ class _TokenStatsFn(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, g_logp: Tensor | None, g_ent: Tensor | None, g_sc: Tensor | None):
         hidden, weight, bias, targets, lse, ent = ctx.saved_tensors
-        temperature, tc, vc = ctx.temperature, ctx.tc, ctx.vc
+        temperature, tc, vc, scale, softcap = ctx.temperature, ctx.tc, ctx.vc, ctx.scale, ctx.softcap
         need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         if targets is None or g_logp is None or g_logp.numel() == 0:
             g_logp = None
@@ -189,7 +196,7 @@ class _TokenStatsFn(torch.autograd.Function):
         if g_sc is None or g_sc.numel() == 0:
             g_sc = None
         if (g_logp is None and g_ent is None and g_sc is None) or not (need_h or need_w or need_b):
-            return (None,) * 9
+            return (None,) * 11
 
         n, v = hidden.shape[0], weight.shape[0]
         cdtype = lse.dtype
@@ -202,8 +209,9 @@ class _TokenStatsFn(torch.autograd.Function):
         shift = lse - ent if g_ent is not None else None  # [N], lse - H = E_p[z]
 
         def block_grad(t0: int, t1: int, v0: int, v1: int, h: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
-            """d(loss)/d(logits before temperature) for one block."""
-            z = block_logits(h, w, b, temperature)  # [tc, vc]
+            """d(loss)/d(h @ w.T + b) for one block: through the temperature, the scale and the softcap."""
+            z = block_logits(h, w, b, temperature, scale, softcap)  # [tc, vc]
+            slope = softcap_slope(z, softcap, temperature)  # [tc, vc] or None
             p = (z - lse[t0:t1, None]).exp_()  # [tc, vc]
             if g_ent is not None:
                 dz = z.sub_(shift[t0:t1, None]).mul_(-g_ent[t0:t1, None]).add_(a[t0:t1, None]).mul_(p)  # [tc, vc]
@@ -214,9 +222,7 @@ class _TokenStatsFn(torch.autograd.Function):
             if g_logp is not None:
                 local, inside = _local_targets(targets[t0:t1], v0, v1)  # [tc, 1], [tc]
                 dz.scatter_add_(1, local, torch.where(inside, g_logp[t0:t1], 0.0)[:, None])
-            if temperature != 1.0:
-                dz /= temperature
-            return dz
+            return chain_(dz, slope, scale, temperature)
 
         dev = hidden.device
         grad_h = grad_w = grad_b = None
@@ -269,7 +275,7 @@ class _TokenStatsFn(torch.autograd.Function):
                 grad_h = gh.to(hidden.dtype)
             if need_b:
                 grad_b = gb.to(bias.dtype)
-        return grad_h, grad_w, grad_b, None, None, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None, None, None, None
 
 
 def _local_targets(targets: Tensor, v0: int, v1: int) -> tuple[Tensor, Tensor]:
@@ -287,16 +293,19 @@ def token_stats(
     temperature: float = 1.0,
     chunk_size: int | None = None,
     bias: Tensor | None = None,
+    scale: float = 1.0,
+    softcap: float | None = None,
     entropy: bool = True,
     self_certainty: bool = False,
     _vocab_chunk: int | None = None,
 ) -> TokenStats:
     """Selected-token log-probs, entropy and self-certainty in one chunked pass over the LM head.
 
-    Each block of logits ``z = (hidden @ weight.T + bias) / temperature`` is read once and gives the
-    log-normaliser, the selected logit, the mean logit and ``E_p[z]``; all outputs are differentiable
-    w.r.t. ``hidden``, ``weight`` and ``bias`` (those that require grad), and backward recomputes
-    the blocks.
+    Each block of logits ``z = softcap(scale * (hidden @ weight.T + bias)) / temperature`` is read once and
+    gives the log-normaliser, the selected logit, the mean logit and ``E_p[z]``; all outputs are
+    differentiable w.r.t. ``hidden``, ``weight`` and ``bias`` (those that require grad), and backward
+    recomputes the blocks. :class:`~lit_rl.ops.head.HeadSpec` ``.op_kwargs`` gives ``bias``, ``scale`` and
+    ``softcap`` of a model's head.
 
     Args:
         hidden: hidden states ``[B, T, H]`` (any leading shape), any float dtype.
@@ -307,6 +316,9 @@ def token_stats(
         chunk_size: tokens per block; ``None`` chooses token and vocabulary blocks so that one float32
             logits block stays within 64 MiB. Given, the vocabulary block is chosen to keep that budget.
         bias: optional LM-head bias ``[V]``.
+        scale: raw logits are multiplied by it (Cohere's ``logit_scale``, 1 / Granite's ``logits_scaling``).
+        softcap: ``c`` of a final ``c * tanh(z / c)`` (Gemma 2), or ``None``. It keeps one more block alive in
+            backward, so the automatic plan gives each block two thirds of the budget.
         entropy: compute the entropy of softmax(z).
         self_certainty: compute KL(U || p) = logsumexp(z) - mean(z) - log V.
         _vocab_chunk: vocabulary rows per block (tests); ``None`` chooses it from the budget.
@@ -315,7 +327,7 @@ def token_stats(
         :class:`TokenStats` of ``[B, T]`` float32 tensors (float64 for double inputs); unrequested ones ``None``.
 
     Raises:
-        ValueError: on mismatched shapes or a non-positive temperature or chunk size.
+        ValueError: on mismatched shapes, a non-positive temperature or chunk size, or an unusable scale / softcap.
     """
     if hidden.shape[-1] != weight.shape[-1] or weight.dim() != 2:
         raise ValueError(f"hidden [..., H] and weight [V, H] disagree: {tuple(hidden.shape)} vs {tuple(weight.shape)}")
@@ -325,13 +337,16 @@ def token_stats(
         raise ValueError(f"bias {tuple(bias.shape)} must be [V] = [{weight.shape[0]}]")
     if not temperature > 0:
         raise ValueError(f"temperature must be positive, got {temperature}")
+    check_transform(scale, softcap)
     lead, h_dim = hidden.shape[:-1], hidden.shape[-1]
     flat_h = hidden.reshape(-1, h_dim)  # [N, H]
     flat_t = targets.reshape(-1) if targets is not None else None  # [N]
-    tc, vc = plan_chunks(flat_h.shape[0], weight.shape[0], h_dim, chunk_size, _vocab_chunk, LOGITS_BUDGET_BYTES)
+    budget = LOGITS_BUDGET_BYTES if softcap is None else LOGITS_BUDGET_BYTES * 2 // 3  # the slope is a third block
+    tc, vc = plan_chunks(flat_h.shape[0], weight.shape[0], h_dim, chunk_size, _vocab_chunk, budget)
     logp, ent, sc = _TokenStatsFn.apply(
-        flat_h, weight, bias, flat_t, float(temperature), tc, vc, bool(entropy), bool(self_certainty)
-    )
+        flat_h, weight, bias, flat_t, float(temperature), tc, vc, bool(entropy), bool(self_certainty),
+        float(scale), None if softcap is None else float(softcap),
+    )  # fmt: skip
     return TokenStats(
         logp=logp.reshape(lead) if targets is not None else None,
         entropy=ent.reshape(lead) if entropy else None,
@@ -339,81 +354,32 @@ def token_stats(
     )
 
 
-def selective_log_probs(
-    hidden: Tensor,
-    weight: Tensor,
-    targets: Tensor,
-    *,
-    temperature: float = 1.0,
-    chunk_size: int | None = None,
-    bias: Tensor | None = None,
-    _vocab_chunk: int | None = None,
-) -> Tensor:
+def selective_log_probs(hidden: Tensor, weight: Tensor, targets: Tensor, **kwargs) -> Tensor:
     """Float32 log p(target) ``[B, T]`` from hidden states, without materialising ``[B, T, V]`` logits.
 
     Args:
         hidden: hidden states ``[B, T, H]``, any float dtype.
         weight: LM-head weight ``[V, H]``.
         targets: token ids ``[B, T]`` (long).
-        temperature: logits are divided by it.
-        chunk_size: tokens per block; ``None`` chooses from a 64 MiB logits budget.
-        bias: optional LM-head bias ``[V]``.
-        _vocab_chunk: vocabulary rows per block (tests).
+        **kwargs: ``temperature``, ``chunk_size``, ``bias``, ``scale``, ``softcap`` (and ``_vocab_chunk``), as in
+            :func:`token_stats`.
     """
-    return token_stats(
-        hidden,
-        weight,
-        targets,
-        temperature=temperature,
-        chunk_size=chunk_size,
-        bias=bias,
-        entropy=False,
-        self_certainty=False,
-        _vocab_chunk=_vocab_chunk,
-    ).logp
+    return token_stats(hidden, weight, targets, entropy=False, self_certainty=False, **kwargs).logp
 
 
-def entropy(
-    hidden: Tensor,
-    weight: Tensor,
-    *,
-    temperature: float = 1.0,
-    chunk_size: int | None = None,
-    bias: Tensor | None = None,
-    _vocab_chunk: int | None = None,
-) -> Tensor:
+def entropy(hidden: Tensor, weight: Tensor, **kwargs) -> Tensor:
     """Float32 per-token entropy ``[B, T]`` of softmax(logits), differentiable.
 
     Args:
         hidden: hidden states ``[B, T, H]``, any float dtype.
         weight: LM-head weight ``[V, H]``.
-        temperature: logits are divided by it.
-        chunk_size: tokens per block; ``None`` chooses from a 64 MiB logits budget.
-        bias: optional LM-head bias ``[V]``.
-        _vocab_chunk: vocabulary rows per block (tests).
+        **kwargs: ``temperature``, ``chunk_size``, ``bias``, ``scale``, ``softcap`` (and ``_vocab_chunk``), as in
+            :func:`token_stats`.
     """
-    return token_stats(
-        hidden,
-        weight,
-        None,
-        temperature=temperature,
-        chunk_size=chunk_size,
-        bias=bias,
-        entropy=True,
-        self_certainty=False,
-        _vocab_chunk=_vocab_chunk,
-    ).entropy
+    return token_stats(hidden, weight, None, entropy=True, self_certainty=False, **kwargs).entropy
 
 
-def self_certainty(
-    hidden: Tensor,
-    weight: Tensor,
-    *,
-    temperature: float = 1.0,
-    chunk_size: int | None = None,
-    bias: Tensor | None = None,
-    _vocab_chunk: int | None = None,
-) -> Tensor:
+def self_certainty(hidden: Tensor, weight: Tensor, **kwargs) -> Tensor:
     """Float32 per-token self-certainty ``[B, T]``: KL(U || p) = logsumexp(z) - mean(z) - log V.
 
     Non-negative up to float32 rounding (not clamped, to keep the gradient exact). Its gradient
@@ -423,19 +389,7 @@ def self_certainty(
     Args:
         hidden: hidden states ``[B, T, H]``, any float dtype.
         weight: LM-head weight ``[V, H]``.
-        temperature: logits are divided by it.
-        chunk_size: tokens per block; ``None`` chooses from a 64 MiB logits budget.
-        bias: optional LM-head bias ``[V]``.
-        _vocab_chunk: vocabulary rows per block (tests).
+        **kwargs: ``temperature``, ``chunk_size``, ``bias``, ``scale``, ``softcap`` (and ``_vocab_chunk``), as in
+            :func:`token_stats`.
     """
-    return token_stats(
-        hidden,
-        weight,
-        None,
-        temperature=temperature,
-        chunk_size=chunk_size,
-        bias=bias,
-        entropy=False,
-        self_certainty=True,
-        _vocab_chunk=_vocab_chunk,
-    ).self_certainty
+    return token_stats(hidden, weight, None, entropy=False, self_certainty=True, **kwargs).self_certainty
