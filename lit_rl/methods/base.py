@@ -52,6 +52,8 @@ class RLMethod(L.LightningModule):
         trust_remote_code: run model code shipped with a hub checkpoint.
         lora: LoRA settings; ``null`` trains every weight and keeps a frozen copy as the reference
             (twice the weight memory), LoRA reuses the base weights as the reference (no copy).
+        disable_dropout: set every dropout probability of the policy to 0 (as TRL does), so two passes over
+            the same tokens give the same log-probs; with dropout the ratio and the KL carry its noise.
         learning_rate: AdamW learning rate.
         weight_decay: AdamW weight decay.
         max_grad_norm: gradient clipping by global norm; 0 disables it.
@@ -73,6 +75,7 @@ class RLMethod(L.LightningModule):
         dtype: str = "float32",
         trust_remote_code: bool = False,
         lora: LoraSettings | None = None,
+        disable_dropout: bool = True,
         learning_rate: float = 1e-6,
         weight_decay: float = 0.0,
         max_grad_norm: float = 1.0,
@@ -97,7 +100,10 @@ class RLMethod(L.LightningModule):
         self.reference: torch.nn.Module | None = None
         self.tokenizer = None
         self.name_or_path = name_or_path
-        self._model_kwargs = dict(gguf_file=gguf_file, dtype=dtype, trust_remote_code=trust_remote_code, lora=lora)
+        self._model_kwargs = dict(
+            gguf_file=gguf_file, dtype=dtype, trust_remote_code=trust_remote_code, lora=lora,
+            disable_dropout=disable_dropout,
+        )  # fmt: skip
         self.metric_names, self.metric_fns = self.resolve_functions(metric_funcs or [], "model.metric_funcs")
         self._nonfinite_in_a_row = 0
         self._nonfinite_total = 0

@@ -24,7 +24,7 @@ from transformers import GenerationConfig
 from lit_rl.losses import LOSS_TYPES, SCALE_REWARDS, frac_zero_std, group_advantages, grpo_loss, masked_mean
 from lit_rl.memory.phases import BACKWARD, OPTIMIZER
 from lit_rl.methods.base import RLMethod
-from lit_rl.models import lm_head, trunk
+from lit_rl.models import head_spec, trunk_hidden
 from lit_rl.ops import TokenStats, token_stats
 from lit_rl.ops.token_math import LOGITS_BUDGET_BYTES, plan_chunks
 
@@ -265,23 +265,18 @@ class RefCachedGRPO(RLMethod):
         ``input_ids`` is prompt + completion ``[B, P + C]``; the hidden state at position ``t`` predicts
         token ``t + 1``, so positions ``P - 1 .. P + C - 2`` score the ``C`` completion tokens.
         """
-        # positions follow the attention mask, as in generate(): left padding must not shift them
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [B, L]
-        hidden = trunk(model)(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-        ).last_hidden_state  # [B, L, H]
-        hidden = hidden[:, prompt_length - 1 : -1]  # [B, C, H]
+        hidden = trunk_hidden(model, input_ids, attention_mask)[:, prompt_length - 1 : -1]  # [B, C, H]
         targets = input_ids[:, prompt_length:]  # [B, C]
-        head = lm_head(model)
+        head = head_spec(model)  # weight, bias, logit scale, softcap and pre-head transform of this architecture
         return token_stats(
-            hidden,
+            head.features(hidden),
             head.weight,
             targets,
             temperature=temperature,
-            bias=head.bias,
             chunk_size=chunk_size,
             entropy=entropy,
             self_certainty=self_certainty,
+            **head.op_kwargs,
         )
 
     def memory_components(self, policy_shape: dict[str, int]) -> list[tuple[str, str, int, str]]:

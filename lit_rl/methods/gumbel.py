@@ -33,7 +33,7 @@ reward model's attention mask, so the reward model reads each completion up to a
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -43,7 +43,7 @@ from transformers import DynamicCache
 
 from lit_rl.memory.phases import BACKWARD, OPTIMIZER
 from lit_rl.methods.base import RLMethod
-from lit_rl.models import forward_soft_embeds, lm_head, load_reward_model, trunk
+from lit_rl.models import forward_soft_embeds, head_spec, load_reward_model, trunk
 from lit_rl.ops import gumbel_softmax_topk, kl_divergence
 
 EMBEDDED_REWARD = "embedded"
@@ -235,13 +235,13 @@ class GumbelTopK(RLMethod):
         eos = torch.tensor(self.eos_ids(), device=prompt_ids.device)
         policy = _PolicyStepper(self, prompt_ids, prompt_mask, positions, grad=first_grad == 0)
         reference = _ReferenceStepper(self, prompt_ids, prompt_mask, positions) if hp.beta > 0 else None
-        head = lm_head(self.policy)
+        head = head_spec(self.policy)
         weights, indices, tokens, masks, kls, masses, ref_logits = [], [], [], [], [], [], []
         alive = torch.ones(b, dtype=torch.bool, device=prompt_ids.device)  # [b] no EOS emitted yet
         hidden = policy.hidden  # [b, H] predicts the first completion token
         for t in range(c):
             with torch.set_grad_enabled(t >= first_grad):
-                logits = _at_least_float32(head(hidden)) / hp.temperature  # [b, V]
+                logits = _at_least_float32(head.logits(hidden)) / hp.temperature  # [b, V]
                 # the noise is drawn over the whole vocabulary, so top-k (k = V) and the legacy path see the same draw
                 u = torch.rand(logits.shape, device=logits.device).clamp_min(torch.finfo(torch.float32).tiny)  # [b, V]
                 noise = -torch.log(-torch.log(u))  # [b, V] Gumbel(0, 1)
@@ -252,9 +252,11 @@ class GumbelTopK(RLMethod):
                 masses.append(torch.exp(logits.detach().gather(-1, idx) - lse[:, None]).sum(-1))  # [b]
                 masks.append(alive.float())
                 if reference is not None and hp.gumbel_topk > 0:
+                    ref_head = reference.head
                     kl = kl_divergence(
-                        hidden, head.weight, reference.hidden, reference.head.weight,
-                        temperature=hp.temperature, bias_p=head.bias, bias_q=reference.head.bias,
+                        head.features(hidden), head.weight, reference.features, ref_head.weight,
+                        temperature=hp.temperature, bias_p=head.bias, scale_p=head.scale, softcap_p=head.softcap,
+                        bias_q=ref_head.bias, scale_q=ref_head.scale, softcap_q=ref_head.softcap,
                     )  # fmt: skip
                     kls.append(kl * alive)  # [b]
                 elif reference is not None:  # legacy: keep both logits rows, the KL comes at the end
@@ -359,19 +361,22 @@ class _PolicyStepper:
 
 
 class _ReferenceStepper:
-    """The reference's side: its own KV cache, fed the hard tokens, never any gradient."""
+    """The reference's side: its own KV cache, fed the hard tokens, never any gradient; it keeps the head's input
+    (``features``, after any pre-head transform, computed while the reference is active: LoRA may adapt it)."""
 
     def __init__(self, method: GumbelTopK, prompt_ids, prompt_mask, positions) -> None:
         self.method = method
         self.mask, self.position = prompt_mask, positions[:, -1:]
         with torch.no_grad(), method.as_reference() as model:
-            self.head = lm_head(model)
+            self.head = head_spec(model)
             out = trunk(model)(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions, use_cache=True)
-        self.cache, self.hidden = out.past_key_values, out.last_hidden_state[:, -1]  # [b, H]
+            self.features = self.head.features(out.last_hidden_state[:, -1])  # [b, E]
+        self.cache = out.past_key_values
 
     def logits(self) -> torch.Tensor:
         with torch.no_grad():
-            return _at_least_float32(self.head(self.hidden)) / self.method.hparams.temperature  # [b, V]
+            z = replace(self.head, transform=None).logits(self.features)  # [b, V] from the head's input
+            return _at_least_float32(z) / self.method.hparams.temperature
 
     def step(self, token: torch.Tensor) -> None:
         self.mask = torch.cat([self.mask, self.mask.new_ones(self.mask.shape[0], 1)], dim=1)  # [b, L + 1]
@@ -379,4 +384,4 @@ class _ReferenceStepper:
         with torch.no_grad(), self.method.as_reference() as model:
             out = trunk(model)(input_ids=token[:, None], attention_mask=self.mask, position_ids=self.position,
                                past_key_values=self.cache, use_cache=True)  # fmt: skip
-        self.hidden = out.last_hidden_state[:, -1]
+            self.features = self.head.features(out.last_hidden_state[:, -1])  # [b, E]

@@ -1,9 +1,19 @@
 """Loading policy, reference and reward models; the trunk and LM-head lookup the logits-free ops rely on.
 
-See :mod:`lit_rl.models.loading` for what ``name_or_path`` accepts.
+See :mod:`lit_rl.models.loading` for what ``name_or_path`` accepts and :mod:`lit_rl.models.head` for the
+trunk, the head spec and the load-time parity check.
 """
 
 from lit_rl.models.checkpointing import enable_activation_checkpointing
+from lit_rl.models.head import (
+    base_model,
+    check_head_parity,
+    disable_dropout,
+    head_spec,
+    lm_head,
+    trunk,
+    trunk_hidden,
+)
 from lit_rl.models.loading import (
     DTYPES,
     EMBEDDED,
@@ -12,20 +22,17 @@ from lit_rl.models.loading import (
     TINY_PREFIX,
     LoraSettings,
     apply_lora,
-    base_model,
     build_from_config,
     build_on_meta,
     cache_dir,
     check_supported,
     embedded_default_path,
     embedded_gguf_path,
-    lm_head,
     load_causal_lm,
     load_tokenizer,
     meta_config,
     resolve_dtype,
     resolve_source,
-    trunk,
 )
 from lit_rl.models.reward import forward_soft_embeds, forward_soft_sparse, load_reward_model
 
@@ -41,12 +48,15 @@ __all__ = [
     "build_from_config",
     "build_on_meta",
     "cache_dir",
+    "check_head_parity",
     "check_supported",
+    "disable_dropout",
     "embedded_default_path",
     "embedded_gguf_path",
     "enable_activation_checkpointing",
     "forward_soft_embeds",
     "forward_soft_sparse",
+    "head_spec",
     "lm_head",
     "load_causal_lm",
     "load_reward_model",
@@ -55,4 +65,5 @@ __all__ = [
     "resolve_dtype",
     "resolve_source",
     "trunk",
+    "trunk_hidden",
 ]

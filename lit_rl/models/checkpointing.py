@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lit_rl.models.loading import base_model
+from lit_rl.models.head import base_model
 
 
 def enable_activation_checkpointing(model, every_n_layers: int = 1, offload: bool = False) -> int:

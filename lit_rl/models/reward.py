@@ -21,6 +21,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from lit_rl.models.head import disable_dropout, trunk
 from lit_rl.models.loading import (
     DTYPES,
     EMBEDDED,
@@ -30,7 +31,6 @@ from lit_rl.models.loading import (
     meta_config,
     resolve_dtype,
     resolve_source,
-    trunk,
 )
 
 # attribute names of the classification head on the last hidden state, in the order they are tried
@@ -134,11 +134,7 @@ def freeze(model) -> None:
     """No gradients, eval mode and dropout probabilities set to 0 (also if a parent calls ``.train()``)."""
     model.requires_grad_(False)
     model.eval()
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-        if isinstance(getattr(module, "attention_dropout", None), float):
-            module.attention_dropout = 0.0
+    disable_dropout(model)
 
 
 def check_same_vocabulary(reward_tokenizer, policy_tokenizer, *, reward_name: str = "") -> None:
