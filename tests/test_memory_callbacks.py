@@ -100,6 +100,7 @@ class TinyMethod(LightningModule):
             opt.step()
             opt.zero_grad()
             self._maybe_fail("optimizer")
+        self.log("loss", loss.detach())
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.policy.parameters(), lr=1e-3)
@@ -116,6 +117,7 @@ def _trainer(tmp_path, callbacks, logger=None, max_steps=2):
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
+        log_every_n_steps=1,
         logger=logger if logger is not None else CaptureLogger(tmp_path),
         default_root_dir=tmp_path,
         callbacks=callbacks,
@@ -143,7 +145,9 @@ def test_profiler_logs_documented_keys_and_writes_files(tmp_path):
     assert capture.values("memory/step/predicted_gib") == [5 * 2**20 / GIB] * 2
     for category in ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "other"):
         assert f"memory/breakdown/{category}_gib" in keys
-    assert [s for s, _ in capture.logged] == [1, 2]  # step = trainer.global_step
+    # every memory tag of a step is logged at the same step as the step's own metrics
+    memory_steps = [s for s, m in capture.logged if "memory/step/peak_gib" in m]
+    assert memory_steps == [s for s, m in capture.logged if "loss" in m] == [0, 1]
 
     # the parameters are counted exactly, and the step peak holds at least weights + grads + Adam state
     params = sum(p.numel() * 4 for p in model.policy.parameters())
@@ -176,7 +180,9 @@ def test_profiler_every_n_steps_and_state_dict(tmp_path):
     profiler = MemoryProfiler(every_n_steps=2)
     capture = CaptureLogger(tmp_path)
     _trainer(tmp_path, [profiler], logger=capture, max_steps=3).fit(TinyMethod())
-    assert [r["step"] for r in profiler.summary()["steps"]] == [1, 3]  # measured at global steps 0 and 2
+    summary = profiler.summary()
+    assert [r["step"] for r in summary["steps"]] == [0, 2]  # measured at global steps 0 and 2 (steps done before)
+    assert summary["steady_state_steps"] == [2]  # step 0 runs without AdamW state: not the steady state
     assert len(capture.values("memory/step/peak_gib")) == 2
 
     resumed = MemoryProfiler(every_n_steps=2)
@@ -277,7 +283,7 @@ def test_profiler_reads_the_cuda_allocator_per_phase(monkeypatch):
     trainer.global_step = 1
     profiler.on_train_batch_end(trainer, module, None, None, 0)
     ((step, metrics),) = trainer.loggers[0].logged
-    assert step == 1
+    assert step == 1  # no fit loop in this stand-in: the global step
     assert metrics["memory/rollout/peak_gib"] == 1 and metrics["memory/rollout/reserved_gib"] == 2
     assert metrics["memory/backward/peak_gib"] == 5 and metrics["memory/policy_forward/peak_gib"] == 5
     assert metrics["memory/step/peak_gib"] == 5 and metrics["memory/policy_forward/predicted_gib"] == 4
@@ -457,5 +463,7 @@ def test_profiler_on_grpo_logs_prediction_and_counts_the_frozen_reference(captur
     weights = sum(p.numel() * p.element_size() for p in method.policy.parameters())
     measured = logged["memory/rollout/peak_gib"][0][1] * 2**30
     assert measured >= 2 * weights, "policy + frozen reference copy are both resident"
-    predicted = logged["memory/rollout/predicted_gib"][0][1] * 2**30
-    assert predicted >= measured * 0.9, "the prediction pads to max_prompt_length: an upper bound"
+    for phase in method.phase_names:  # predicted at the step's own prompt and completion lengths
+        predicted = logged[f"memory/{phase}/predicted_gib"][0][1]
+        measured = logged[f"memory/{phase}/peak_gib"][0][1]
+        assert predicted == pytest.approx(measured, rel=0.1), phase

@@ -1,8 +1,10 @@
-"""Memory tactics and memory profiling as Lightning callbacks; add each with a YAML fragment from ``callbacks/``."""
+"""Memory tactics, memory profiling and the run log as Lightning callbacks; add each with a YAML fragment from
+``callbacks/`` (the configs list ``RunLog`` themselves)."""
 
 from lit_rl.callbacks.activation_checkpointing import ActivationCheckpointing
 from lit_rl.callbacks.empty_cache import EmptyCache
 from lit_rl.callbacks.memory_profiler import MemoryProfiler
 from lit_rl.callbacks.oom_report import OOMReport
+from lit_rl.callbacks.run_log import RunLog
 
-__all__ = ["ActivationCheckpointing", "EmptyCache", "MemoryProfiler", "OOMReport"]
+__all__ = ["ActivationCheckpointing", "EmptyCache", "MemoryProfiler", "OOMReport", "RunLog"]

@@ -10,7 +10,6 @@ process's peak RSS, and logs them next to the estimator's prediction.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +22,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lit_rl.memory.peaks import PhasePeaks, category_for, merge
+from lit_rl.memory.profile_report import phase_figure, summarize
 from lit_rl.memory.rss import probe_rss_source, read_peak_rss, reset_peak_rss
-from lit_rl.memory.tracker import CATEGORIES as BREAKDOWN
+from lit_rl.memory.step_prediction import StepPredictor, step_shape
 from lit_rl.memory.tracker import TensorMemoryTracker
 from lit_rl.memory.units import GIB
 
@@ -53,16 +53,19 @@ class MemoryProfiler(Callback):
     the whole process lifetime, and says so once. RSS includes the Python heap, the allocator's free
     lists and library code, so it sits above the tensor peak.
 
-    If the method exposes ``predicted_memory`` (a dict phase -> bytes, filled by the estimator), the
-    prediction is logged next to each measurement.
+    With ``predict`` (the default), each measured step is predicted by the estimator at that step's own shapes
+    (its prompt count and padded prompt length, and the completion length it generated; see
+    :mod:`lit_rl.memory.step_prediction`), once per distinct shape, so ``predicted_gib`` and ``peak_gib`` are
+    the same quantity for the same tensors. A method that sets ``predicted_memory`` (phase -> bytes) gets that
+    fixed prediction logged instead.
 
-    **Logged Metrics** (on each measured step, ``step = trainer.global_step``):
+    **Logged Metrics** (on each measured step, at the same step as the method's own metrics of that step):
 
     - ``memory/<phase>/peak_gib``: peak bytes held by tensors during the phase (allocator on CUDA,
       tracker elsewhere; absent when only RSS is available)
     - ``memory/<phase>/rss_peak_gib``: process peak RSS during the phase
     - ``memory/<phase>/reserved_gib``: allocator peak reserved memory during the phase (CUDA only)
-    - ``memory/<phase>/predicted_gib``: the estimator's prediction, if ``pl_module.predicted_memory`` exists
+    - ``memory/<phase>/predicted_gib``: the estimator's prediction for this step's shapes
     - ``memory/step/peak_gib``, ``memory/step/rss_peak_gib``, ``memory/step/predicted_gib``: maxima over phases
     - ``memory/breakdown/{parameters,gradients,optimizer_state,activations,temporaries,other}_gib``: bytes per
       category at the step's peak (tracker only): ``activations`` are tensors allocated in the forward-like phases,
@@ -71,9 +74,11 @@ class MemoryProfiler(Callback):
 
     Only phases announced inside a training batch are measured (a validation rollout is not).
 
-    Files, in ``trainer.log_dir``: ``memory_summary.json`` (per-phase max and mean over measured steps,
-    per-step records, device, method; written at the end of training and when training fails),
-    ``memory_phases.png`` (stacked per-phase bars, also sent to TensorBoard as ``memory/phases``) and, with
+    Files, in ``trainer.log_dir``: ``memory_summary.json`` (per phase: max and mean over measured steps, the
+    steady-state mean over steps after the first, where AdamW has its state; the mean prediction and the
+    prediction error in percent; per-step records with their predictions; device, method; written at the
+    end of training and when training fails), ``memory_phases.png`` (stacked per-phase bars of the steady
+    state with the prediction, also sent to TensorBoard as ``memory/phases``) and, with
     ``cuda_snapshot_steps``, ``memory_snapshot.pickle`` (open it at https://pytorch.org/memory_viz).
     With a ``TensorBoardLogger``, a custom-scalars layout groups all memory charts on the "CUSTOM SCALARS" page.
 
@@ -84,9 +89,10 @@ class MemoryProfiler(Callback):
             training and save it as ``memory_snapshot.pickle``; it costs host memory and some speed while
             recording. Ignored, with a warning, without CUDA.
         track_tensors: use exact tensor accounting off CUDA; ``False`` logs RSS only (full speed).
-        predict: at the start of training, run the estimator (:mod:`lit_rl.memory.estimate`, fake tensors, a
-            few seconds) so ``memory/<phase>/predicted_gib`` is logged beside the measurement. It pads every
-            prompt to ``data.max_prompt_length`` and assumes full-length completions: an upper bound.
+        predict: after each measured step, run the estimator (:mod:`lit_rl.memory.estimate`, fake tensors, a few
+            seconds per distinct shape, cached) at that step's shapes, so ``memory/<phase>/predicted_gib`` is
+            logged beside the measurement. Batches that are not prompt batches (no ``input_ids``) get the padded
+            upper bound of ``lit-rl estimate`` instead.
 
     Raises:
         MisconfigurationException:
@@ -125,7 +131,9 @@ class MemoryProfiler(Callback):
         self._device = torch.device("cpu")
         self._method = ""
         self._log_dir: str | None = None
-        self._predicted: dict[str, int] = {}
+        self._predicted: dict[str, int] = {}  # the latest step's prediction
+        self._predictor: StepPredictor | None = None
+        self._upper_bound: dict[str, int] | None = None
         self._snapshot_recording = False
         self._snapshot_steps_done = 0
         self._snapshot_path: str | None = None
@@ -174,8 +182,8 @@ class MemoryProfiler(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.predict and getattr(pl_module, "predicted_memory", None) is None:
-            self._predict(trainer, pl_module)
+        if self.predict:
+            self._predictor = StepPredictor(trainer, pl_module)
         if self.cuda_snapshot_steps and self._device.type == "cuda" and not self._snapshot_path:
             torch.cuda.memory._record_memory_history(max_entries=100_000)
             self._snapshot_recording = True
@@ -188,7 +196,9 @@ class MemoryProfiler(Callback):
         if trainer.global_step % self.every_n_steps != 0:
             self._record = None
             return
-        self._record = {"step": trainer.global_step, "phases": {}}
+        # whether the optimizer state exists yet: the first step of a fresh run creates it in its optimizer phase
+        has_state = any(len(optimizer.state) for optimizer in trainer.optimizers)
+        self._record = {"step": trainer.global_step, "phases": {}, "optimizer_state": has_state}
         if self._mode == "tracker":
             self._open_tracker(trainer, pl_module)
 
@@ -198,7 +208,7 @@ class MemoryProfiler(Callback):
     ) -> None:
         self._close_tracker()
         if self._record is not None:
-            self._finish_record(trainer, pl_module)
+            self._finish_record(trainer, pl_module, batch)
         if self._snapshot_recording:
             self._snapshot_steps_done += 1
             if self._snapshot_steps_done >= self.cuda_snapshot_steps:
@@ -206,6 +216,11 @@ class MemoryProfiler(Callback):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._predictor is not None and self._predictor.cache:
+            rank_zero_info(
+                f"MemoryProfiler: predicted {len(self._predictor.cache)} distinct step shapes in "
+                f"{self._predictor.seconds:.0f}s on fake tensors"
+            )
         self.dump_cuda_snapshot()
         if trainer.is_global_zero:
             self._write_figure(trainer)
@@ -214,7 +229,6 @@ class MemoryProfiler(Callback):
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._close_tracker()
-        self._read_predicted(pl_module)
         self.dump_cuda_snapshot()
         self._write_summary(trainer, status=f"failed: {type(exception).__name__}: {exception}")
 
@@ -257,25 +271,23 @@ class MemoryProfiler(Callback):
         if self._record is not None and self._record["phases"]:  # a step cut short by an error
             partial = self._record
             records.append({**partial, "total": merge({}, *partial["phases"].values()), "incomplete": True})
-        phase_names = [p for p in self._phase_names if any(p in r["phases"] for r in records)]
-        phase_names += sorted({p for r in records for p in r["phases"]} - set(phase_names))
-        phases = {name: _stats([r["phases"][name] for r in records if name in r["phases"]]) for name in phase_names}
-        steps = _stats([r["total"] for r in records if "total" in r])
-        for name, bytes_ in self._predicted.items():
-            phases.setdefault(name, {})["predicted_gib"] = bytes_ / GIB
-        if self._predicted:
-            steps["predicted_gib"] = max(self._predicted.values()) / GIB
+        stats = summarize(records, self._phase_names)
         return {
             "method": self._method,
             "device": str(self._device),
             "measurement": {"cuda": "cuda allocator", "tracker": "tensor accounting", "rss": "rss only"}[self._mode],
             "rss_source": self._rss_source,
             "every_n_steps": self.every_n_steps,
-            "phases": phases,
-            "step": steps,
+            "prediction": "the step's own shapes" if self._predictor is not None else "fixed (predicted_memory)",
+            **stats,
             "steps": records,
             "cuda_snapshot": self._snapshot_path,
         }
+
+    @property
+    def last_record(self) -> dict[str, Any] | None:
+        """The latest measured step: ``{"step", "phases", "total", "predicted"}`` (bytes), or ``None``."""
+        return self._records[-1] if self._records else None
 
     def dump_cuda_snapshot(self) -> str | None:
         """Save the CUDA allocator history recorded so far (if recording) and stop recording; returns the path."""
@@ -355,28 +367,42 @@ class MemoryProfiler(Callback):
 
     # ------------------------------------------------------------------------------------ reporting
 
-    def _finish_record(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def _finish_record(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
         record, self._record = self._record, None
-        record["step"] = trainer.global_step
         if record["phases"]:
             record["total"] = merge({}, *record["phases"].values())
+        self._predicted = self._prediction(trainer, pl_module, batch, record.get("optimizer_state", True))
+        if self._predicted:
+            record["predicted"] = dict(self._predicted)
         self._records.append(record)
-        self._read_predicted(pl_module)
         metrics = self._metrics(record)
+        # the step the method's own metrics of this batch are logged at (trainer.global_step is already one
+        # further, and pl_module.log would re-log these values at unmeasured steps); as LearningRateMonitor does
+        step = _logging_step(trainer)
         for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
+            logger.log_metrics(metrics, step=step)
 
-    def _predict(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def _prediction(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, optimizer_state: bool
+    ) -> dict[str, int]:
+        fixed = getattr(pl_module, "predicted_memory", None)
+        if fixed:
+            return {str(k): int(v) for k, v in fixed.items()}
+        if self._predictor is None:
+            return {}
         try:
-            from lit_rl.memory.estimate import estimate_for_trainer
+            shape = step_shape(batch, pl_module)
+            if shape is not None:
+                return self._predictor.predict(shape, optimizer_state=optimizer_state)
+            if self._upper_bound is None:  # not a prompt batch: the padded bound of `lit-rl estimate`
+                from lit_rl.memory.estimate import estimate_for_trainer
 
-            pl_module.predicted_memory = estimate_for_trainer(trainer, pl_module).phases
+                self._upper_bound = dict(estimate_for_trainer(trainer, pl_module).phases)
+            return self._upper_bound
         except Exception as err:  # a prediction is a convenience: it must never stop training
             rank_zero_warn(f"MemoryProfiler: no memory prediction for this run ({type(err).__name__}: {err})")
-
-    def _read_predicted(self, pl_module: pl.LightningModule) -> None:
-        predicted = getattr(pl_module, "predicted_memory", None) or {}
-        self._predicted = {str(k): int(v) for k, v in predicted.items()}
+            self._predictor = None
+            return {}
 
     def _metrics(self, record: dict[str, Any]) -> dict[str, float]:
         metrics: dict[str, float] = {}
@@ -417,83 +443,19 @@ class MemoryProfiler(Callback):
             json.dump({**self.summary(), "status": status}, f, indent=2)
 
     def _write_figure(self, trainer: pl.Trainer) -> None:
-        try:
-            from matplotlib.figure import Figure  # no pyplot: no global backend state, Agg canvas only
-        except ImportError:
-            rank_zero_info("MemoryProfiler: matplotlib is not installed; skipping the per-phase figure.")
+        fig = phase_figure(self.summary())
+        if fig is None:
+            rank_zero_info("MemoryProfiler: no per-phase figure (nothing measured, or matplotlib is not installed).")
             return
-        summary = self.summary()
-        phases = {name: s for name, s in summary["phases"].items() if "peak_gib" in s or "rss_peak_gib" in s}
-        if not phases:
-            return
-        names = list(phases)
-        xs = list(range(len(names)))
-
-        def series(metric: str, stat: str | None = "mean") -> list[float]:
-            values = [phases[n].get(metric) for n in names]
-            values = [v.get(stat) if stat and isinstance(v, dict) else v for v in values]
-            return [float("nan") if v is None else v for v in values]
-
-        tensor = series("peak_gib")
-        rss = series("rss_peak_gib")
-        panels = [p for p, v in (("tensors", tensor), ("rss", rss)) if any(x == x for x in v)]  # x == x: not NaN
-        # tensor peak and RSS live on very different scales (RSS holds the interpreter and libraries): two panels
-        fig = Figure(figsize=((1.3 * len(names) + 2.2) * len(panels) + 0.5, 4.5))
-        axes = fig.subplots(1, len(panels), squeeze=False)[0]
-        for ax, panel in zip(axes, panels, strict=True):
-            shown = (tensor if panel == "tensors" else rss) + series("predicted_gib", None)
-            scale, unit = _unit(max((x for x in shown if x == x), default=0.0))
-            if panel == "tensors":
-                bottom = [0.0] * len(names)
-                for category in BREAKDOWN:  # tensor accounting: stacked by category at the phase's peak
-                    heights = [phases[n].get("breakdown_gib", {}).get(category, 0.0) * scale for n in names]
-                    if any(heights):
-                        ax.bar(xs, heights, bottom=bottom, label=category)
-                        bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
-                if not any(bottom):  # allocator only: allocated, with the reserved headroom on top
-                    peaks = [0.0 if t != t else t * scale for t in tensor]
-                    ax.bar(xs, peaks, label="allocated")
-                    reserved = [0.0 if r != r else r * scale for r in series("reserved_gib")]
-                    if any(reserved):
-                        headroom = [max(r - p, 0.0) for r, p in zip(reserved, peaks, strict=True)]
-                        ax.bar(xs, headroom, bottom=peaks, label="reserved, unallocated")
-                ax.set_title("peak held by tensors")
-            else:
-                ax.bar(xs, [r * scale for r in rss], color="tab:gray", label="RSS peak")
-                ax.set_title("process peak RSS")
-            predicted = [p * scale for p in series("predicted_gib", None)]
-            if panel == panels[0] and any(p == p for p in predicted):  # predictions are of the tensor peak
-                ax.scatter(xs, predicted, marker="_", s=900, linewidths=2.5, color="r", label="predicted", zorder=3)
-            ax.set_xticks(xs, names, rotation=20)
-            ax.set_ylabel(f"{unit} (mean over measured steps)")
-            ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
-        fig.suptitle(f"{summary['method']}: peak memory per phase ({summary['measurement']}, {summary['device']})")
-        fig.tight_layout()
         if self._log_dir is not None:
             Path(self._log_dir).mkdir(parents=True, exist_ok=True)
-            fig.savefig(os.path.join(self._log_dir, "memory_phases.png"), dpi=120)
+            fig.savefig(Path(self._log_dir) / "memory_phases.png", dpi=120)
         for logger in trainer.loggers:
             if isinstance(logger, TensorBoardLogger):
                 logger.experiment.add_figure("memory/phases", fig, global_step=trainer.global_step, close=False)
 
 
-def _unit(gib: float) -> tuple[float, str]:
-    """A scale factor from GiB and its unit, so small runs are not drawn as zero-height bars."""
-    return (1.0, "GiB") if gib >= 1 else (1024.0, "MiB") if gib >= 1 / 1024 else (1024.0**2, "KiB")
-
-
-def _stats(records: list[dict[str, Any]]) -> dict[str, Any]:
-    """Max and mean (GiB) of each measured quantity; the breakdown is averaged per category."""
-    out: dict[str, Any] = {}
-    for key, metric in (
-        ("peak_bytes", "peak_gib"),
-        ("rss_peak_bytes", "rss_peak_gib"),
-        ("reserved_bytes", "reserved_gib"),
-    ):
-        values = [r[key] / GIB for r in records if key in r]
-        if values:
-            out[metric] = {"max": max(values), "mean": sum(values) / len(values)}
-    breakdowns = [r["breakdown"] for r in records if "breakdown" in r]
-    if breakdowns:
-        out["breakdown_gib"] = {c: sum(b.get(c, 0) for b in breakdowns) / len(breakdowns) / GIB for c in BREAKDOWN}
-    return out
+def _logging_step(trainer: pl.Trainer) -> int:
+    """The step Lightning logs ``self.log`` metrics of the current training batch at."""
+    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    return loop._batches_that_stepped if loop is not None else trainer.global_step

@@ -26,8 +26,11 @@ profiler's ``reserved_gib``), NCCL buffers, the Python heap.
 
 Where a prediction can differ from a measurement:
 
-- Prompt length: the prediction pads every prompt to ``data.max_prompt_length`` (or ``prompt_length``);
-  a real batch is padded to its longest prompt, so the prediction is an upper bound.
+- Lengths: ``lit-rl estimate`` pads every prompt to ``data.max_prompt_length`` (or ``--prompt-length``) and
+  runs every completion to ``max_new_tokens``, so it is an **upper bound** for the run's steps; a real batch is
+  padded to its longest prompt and generation stops when all completions have ended. The MemoryProfiler
+  predicts each measured step at its own shapes (:mod:`lit_rl.memory.step_prediction`), which is what its
+  ``predicted_gib`` beside ``peak_gib`` compares.
 - Attention mask: transformers cannot read a fake mask, so on its own it would always build the
   ``[B, 1, q, kv]`` boolean mask that a real unpadded batch skips. The estimator decides as a real run
   does: a batch of several prompts is left-padded (mask built), a single prompt repeated
@@ -205,12 +208,13 @@ def settings_from(datamodule, *, precision: str, callbacks, device_type: str) ->
     return settings
 
 
-def trainer_settings(trainer) -> dict[str, Any]:
+def trainer_settings(trainer, **known: Any) -> dict[str, Any]:
     """The keyword arguments of :func:`estimate_step` that a Trainer knows: the datamodule's ``batch_size`` and
-    ``max_prompt_length``, ``trainer.precision``, the callbacks' ``estimate_settings()`` and the device type.
+    ``max_prompt_length``, ``trainer.precision``, the callbacks' ``estimate_settings()`` and the device type;
+    ``known`` settings take precedence.
 
     Raises:
-        ValueError: without a datamodule that has ``batch_size`` and ``max_prompt_length``.
+        ValueError: when neither the datamodule nor ``known`` give ``batch_size`` and ``prompt_length``.
     """
     settings = settings_from(
         getattr(trainer, "datamodule", None),
@@ -218,6 +222,7 @@ def trainer_settings(trainer) -> dict[str, Any]:
         callbacks=trainer.callbacks,
         device_type="cuda" if trainer.strategy.root_device.type == "cuda" else "cpu",
     )
+    settings.update(known)
     if "batch_size" not in settings or "prompt_length" not in settings:
         raise ValueError(
             "estimate: the trainer has no datamodule with batch_size and max_prompt_length; "
@@ -229,11 +234,13 @@ def trainer_settings(trainer) -> dict[str, Any]:
 def estimate_for_trainer(trainer, pl_module, **kwargs: Any) -> Estimate:
     """:func:`estimate_step` with :func:`trainer_settings` (``kwargs`` override them).
 
-    Use it to fill ``pl_module.predicted_memory`` (logged by the MemoryProfiler) once the Trainer is set up::
+    Without ``kwargs`` this is the padded upper bound of the run's steps (``data.max_prompt_length``,
+    ``max_new_tokens``); the MemoryProfiler passes each measured step's own shapes instead
+    (:mod:`lit_rl.memory.step_prediction`). A fixed prediction can be logged beside every step with::
 
         pl_module.predicted_memory = estimate_for_trainer(trainer, pl_module).phases
     """
-    return estimate_step(pl_module, **{**trainer_settings(trainer), **kwargs})
+    return estimate_step(pl_module, **trainer_settings(trainer, **kwargs))
 
 
 # ------------------------------------------------------------------------------------------------ internals

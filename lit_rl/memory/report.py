@@ -88,6 +88,8 @@ class Estimate:
         )
         lines.append(
             "\ntensor bytes (what memory/<phase>/peak_gib measures); a GPU adds the CUDA context, workspaces and "
-            "allocator fragmentation on top."
+            "allocator fragmentation on top.\n"
+            f"an upper bound for a run's steps: every prompt padded to {s['prompt_length']} tokens and every completion "
+            f"{s['max_new_tokens']} tokens long; the MemoryProfiler predicts each measured step at its own lengths."
         )
         return "\n".join(lines)
