@@ -36,7 +36,7 @@ def test_print_config_applies_overrides(capsys):
 
 
 def test_bad_value_fails_before_training():
-    with pytest.raises(ValueError, match="num_generations must be >= 2"):
+    with pytest.raises(ValueError, match="num_generations: must be >= 2"):
         LitRLCLI(
             args=["--config", str(ROOT / "configs/grpo_tiny.yaml"), "--model.init_args.num_generations", "1"], run=False
         )
@@ -66,7 +66,7 @@ def test_embed_writes_the_cache_that_training_reuses_and_refuses_when_stale(tmp_
         LitRLCLI(args=[*fit, "--data.init_args.difficulty", "3"])
 
 
-def test_embed_rebuilds_a_stale_cache_and_fit_names_the_exact_rebuild_command(tmp_path, monkeypatch, caplog):
+def test_embed_rebuilds_a_stale_cache_and_fit_names_the_exact_rebuild_command(tmp_path, monkeypatch, caplog, capsys):
     import json
     import logging
     import shlex
@@ -103,9 +103,15 @@ def test_embed_rebuilds_a_stale_cache_and_fit_names_the_exact_rebuild_command(tm
     # a stale cache again: `lit-rl fit` refuses it with the command that rebuilds it, and that command works
     stale_fit = [*fit, "--data.init_args.difficulty", "3", "--ckpt_path", "null"]
     monkeypatch.setattr(sys, "argv", ["/venv/bin/lit-rl", *stale_fit])
-    with pytest.raises(StaleEmbeddingCacheError, match="dataset_fingerprint") as err:
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stop:  # the console script answers in one line
         main()
-    command = str(err.value).split("rebuild it with: ")[1]
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert stop.value.code == 2 and len(said) == 1 and "dataset_fingerprint" in said[0]
+    assert said[0].startswith("error: data.density_cache_dir: the embedding cache ")
+    command = said[0].split("rebuild it with: ")[1]
+    with pytest.raises(StaleEmbeddingCacheError, match="dataset_fingerprint"):  # --debug lets the exception through
+        main(["--debug", *stale_fit])
     expected = ["lit-rl", "embed", *stale_fit[1:-2]]  # `fit` -> `embed`, without the option embed does not take
     assert shlex.split(command) == expected
     monkeypatch.setattr(density, "embed_prompts", embed_prompts)

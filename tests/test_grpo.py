@@ -195,11 +195,11 @@ def test_reference_pass_runs_once_per_rollout_batch_or_never(beta, iterations, r
 @pytest.mark.parametrize(
     ("kw", "message"),
     [
-        (dict(num_generations=1), "num_generations must be >= 2"),
+        (dict(num_generations=1), "num_generations: must be >= 2"),
         (dict(loss_type="ppo"), "loss_type: 'ppo' is not one of"),
-        (dict(epsilon_low=0.3, epsilon_high=0.2), r"epsilon_high \(0.2\) < model.epsilon_low \(0.3\)"),
+        (dict(epsilon_low=0.3, epsilon_high=0.2), r"epsilon_high: 0.2 < model.epsilon_low \(0.3\)"),
         (dict(reward_funcs=["no.such.fn"]), r"reward_funcs\[0\]: cannot import 'no.such.fn'"),
-        (dict(reward_weights=[1.0, 2.0]), "reward_weights has 2 entries for 1 reward_funcs"),
+        (dict(reward_weights=[1.0, 2.0]), "reward_weights: has 2 entries for 1 reward_funcs"),
     ],
 )
 def test_bad_settings_fail_at_construction(kw, message):
@@ -213,7 +213,9 @@ def test_non_finite_losses_are_skipped_then_stop_the_run(capture_logger):
     method.setup("fit")
     method.configure_model()
     before = _params(method)
-    with pytest.raises(FloatingPointError, match="2 non-finite losses in a row"):
+    with pytest.raises(
+        FloatingPointError, match=r"2 non-finite updates in a row \(the last a loss at step 1; no step was finite\)"
+    ):
         _trainer(capture_logger, steps=5).fit(method, _data())
     assert all(torch.equal(p, before[n]) for n, p in method.policy.named_parameters())
     assert capture_logger.metrics["train/nonfinite_steps"][0][1] == 1.0

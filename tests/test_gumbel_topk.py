@@ -180,7 +180,7 @@ def test_estimate_runs_the_method_step_with_its_own_phases():
     ("kw", "message"),
     [
         (dict(tau=0), "tau"),
-        (dict(gumbel_topk=-1), "gumbel_topk must be >= 0"),
+        (dict(gumbel_topk=-1), "gumbel_topk: must be >= 0"),
         (dict(tau_schedule="cosine"), "tau_schedule"),
         (dict(bptt_window=0), "bptt_window"),
         (dict(gumbel_topk=0, checkpoint_steps=True), "legacy path"),

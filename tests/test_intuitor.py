@@ -96,5 +96,5 @@ def test_training_logs_self_certainty_and_accuracy_without_rewarding_it(capture_
 
 
 def test_nothing_to_learn_from_is_refused():
-    with pytest.raises(ValueError, match="self_certainty_weight is 0 and there are no reward_funcs"):
+    with pytest.raises(ValueError, match="self_certainty_weight: is 0 and there are no reward_funcs"):
         Intuitor(name_or_path="tiny:llama", self_certainty_weight=0.0)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import shlex
 import sys
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -111,11 +112,11 @@ class PromptDataModule(L.LightningDataModule):
     ) -> None:
         super().__init__()
         if batch_size < 1:
-            raise ValueError(f"data.batch_size must be >= 1, got {batch_size}")
+            raise ValueError(f"data.batch_size: must be >= 1, got {batch_size}; set it to 1 or more")
         if truncation not in ("left", "error"):
-            raise ValueError(f"data.truncation: {truncation!r} is not 'left' or 'error'")
+            raise ValueError(f"data.truncation: {truncation!r} is not 'left' or 'error'; use one of them")
         if sampler not in ("uniform", "density"):
-            raise ValueError(f"data.sampler: {sampler!r} is not 'uniform' or 'density'")
+            raise ValueError(f"data.sampler: {sampler!r} is not 'uniform' or 'density'; use one of them")
         self.save_hyperparameters()
         self.records: list[dict[str, Any]] | None = None
         self.tokenizer = None
@@ -177,8 +178,8 @@ class PromptDataModule(L.LightningDataModule):
             if len(ids) > limit:
                 if self.hparams.truncation == "error":
                     raise ValueError(
-                        f"prompt of dataset row {item['index'] + 1} has {len(ids)} tokens > data.max_prompt_length={limit}; "
-                        "raise max_prompt_length or set data.truncation: left"
+                        f"data.max_prompt_length: the prompt of dataset row {item['index'] + 1} has {len(ids)} tokens > "
+                        f"data.max_prompt_length={limit}; raise max_prompt_length or set data.truncation: left"
                     )
                 encoded[row] = ids[-limit:]  # keep the end: the question and the generation prompt
                 num_truncated += 1
@@ -308,6 +309,9 @@ class PromptDataModule(L.LightningDataModule):
             collate_fn=self.collate,
             num_workers=self.hparams.num_workers,
             drop_last=True,
+            # its own generator: the worker seeds it draws at each epoch start would otherwise come from the global
+            # one, which a resumed run restores at its first step (the uninterrupted run drew them earlier)
+            generator=torch.Generator().manual_seed(self.hparams.seed),
         )
 
     # ------------------------------------------------------------------ resume
@@ -327,6 +331,9 @@ class PromptDataModule(L.LightningDataModule):
         return {"sampler": self._sampler.state_dict(epoch=epoch, position=position)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # Lightning warns that a mid-epoch resume is unreliable unless the DataLoader is resumable; the stream
+        # position travels in this state instead, so the resumed run trains on the uninterrupted run's prompts
+        warnings.filterwarnings("ignore", message=r"You're resuming from a checkpoint that ended before the epoch")
         self._sampler_state = state_dict.get("sampler")
         if self._sampler is not None and self._sampler_state is not None:  # a live sampler follows the restore
             self._sampler.load_state_dict(self._sampler_state)

@@ -58,29 +58,49 @@ def resolve_reward_fn(path: str, *, field: str = "reward_funcs") -> RewardFn:
     return fn
 
 
-def score(fn: RewardFn, name: str, completions: list[str], answers: list[Any], prompts: list[str]) -> torch.Tensor:
+def score(
+    fn: RewardFn,
+    name: str,
+    completions: list[str],
+    answers: list[Any],
+    prompts: list[str],
+    *,
+    field: str = "model.reward_funcs",
+) -> torch.Tensor:
     """Call one reward function and check what it returns: one finite float per completion.
+
+    Args:
+        field: the setting that named the function, for the messages.
 
     Raises:
         RuntimeError: the function raised; the message names it and the first sample.
-        ValueError: wrong length or a non-finite value; the message names the function and the sample.
+        ValueError: not numbers, wrong length or a non-finite value; the message names the function and the sample.
     """
     try:
         out = fn(completions, answers=answers, prompts=prompts)
     except Exception as err:
         raise RuntimeError(
-            f"reward function {name} raised {type(err).__name__}: {err} "
-            f"(first sample: prompt={prompts[0]!r}, completion={completions[0]!r})"
+            f"{field}: reward function {name} raised {type(err).__name__}: {err} "
+            f"(first sample: prompt={prompts[0]!r}, completion={completions[0]!r}); fix the function or remove it"
         ) from err
     # checked as Python numbers: the values come from Python, and the check must not depend on tensor values
-    values = torch.as_tensor(out, dtype=torch.float64).flatten().tolist()
+    try:
+        values = torch.as_tensor(out, dtype=torch.float64).flatten().tolist()
+    except (TypeError, ValueError, RuntimeError) as err:
+        raise ValueError(
+            f"{field}: reward function {name} returned {type(out).__name__} {str(out)[:80]!r}, not numbers; "
+            "return one float per completion"
+        ) from err
     if len(values) != len(completions):
-        raise ValueError(f"reward function {name} returned {len(values)} values for {len(completions)} completions")
+        raise ValueError(
+            f"{field}: reward function {name} returned {len(values)} values for {len(completions)} completions; "
+            "return one float per completion"
+        )
     bad = [i for i, v in enumerate(values) if not math.isfinite(v)]
     if bad:
         i = bad[0]
         raise ValueError(
-            f"reward function {name} returned {values[i]} for sample {i} "
+            f"{field}: reward function {name} returned {values[i]} for sample {i} "
             f"(prompt={prompts[i]!r}, completion={completions[i]!r}); rewards must be finite"
         )
     return torch.tensor(values, dtype=torch.float32)

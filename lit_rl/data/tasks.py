@@ -62,29 +62,31 @@ def read_records(
     """
     path = Path(path).expanduser()
     if not path.is_file():
-        raise FileNotFoundError(f"data.source: {path} does not exist (give a .jsonl or .parquet file, or 'arithmetic')")
+        raise FileNotFoundError(f"data.source: {path} does not exist; give a .jsonl or .parquet file, or 'arithmetic'")
     if path.suffix in (".jsonl", ".json"):
         rows = list(_jsonl_rows(path))
     elif path.suffix == ".parquet":
         try:
             import pyarrow.parquet as pq
         except ImportError as err:
-            raise ImportError(f"reading {path} needs pyarrow: `pip install pyarrow`") from err
+            raise ImportError(f"data.source: reading {path} needs pyarrow; `pip install pyarrow`") from err
         rows = pq.read_table(path).to_pylist()
     else:
-        raise ValueError(f"data.source: {path} has suffix {path.suffix!r}; use .jsonl or .parquet")
+        raise ValueError(f"data.source: {path} has suffix {path.suffix!r}; use a .jsonl or .parquet file")
     if not rows:
-        raise ValueError(f"data.source: {path} has no rows")
+        raise ValueError(f"data.source: {path} has no rows; give a file with one prompt per row")
     records = []
     for i, row in enumerate(rows, start=1):
         for name, field in (("prompt_field", prompt_field), ("answer_field", answer_field)):
             if field is not None and (field not in row or row[field] is None):
                 raise ValueError(
-                    f"{path}, row {i}: no field {field!r} (data.{name}); the row has {sorted(row)}. "
-                    f"Fix the row or set data.{name} to the column that holds it"
+                    f"data.{name}: {path}, row {i}: no field {field!r} (data.{name}); the row has {sorted(row)}; "
+                    f"fix the row or set data.{name} to the column that holds it"
                 )
         if not isinstance(row[prompt_field], str) or not row[prompt_field].strip():
-            raise ValueError(f"{path}, row {i}: field {prompt_field!r} must be a non-empty string")
+            raise ValueError(
+                f"data.source: {path}, row {i}: field {prompt_field!r} must be a non-empty string; fix the row"
+            )
         records.append({"prompt": row[prompt_field], "answer": row[answer_field] if answer_field else None})
     return records
 
@@ -98,8 +100,10 @@ def _jsonl_rows(path: Path):
                 row = json.loads(line)
             except json.JSONDecodeError as err:
                 raise ValueError(
-                    f"{path}, row {i}: not valid JSON ({err.msg}); each line must be one JSON object"
+                    f"data.source: {path}, row {i}: not valid JSON ({err.msg}); each line must be one JSON object"
                 ) from err
             if not isinstance(row, dict):
-                raise ValueError(f"{path}, row {i}: expected a JSON object, got {type(row).__name__}")
+                raise ValueError(
+                    f"data.source: {path}, row {i}: expected a JSON object, got {type(row).__name__}; fix the row"
+                )
             yield row

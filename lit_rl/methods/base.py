@@ -8,7 +8,10 @@ What a step *does* lives in the subclasses: each declares its phase names and im
   registered as submodules, so device moves, precision casts, the profiler's tensor accounting and
   the estimator see them like any other module, and are left out of checkpoints (rebuilt at load);
 - the guarded optimizer step (:meth:`RLMethod.update`): micro-batched losses, backward, clipping,
-  and non-finite losses skipped, counted, and fatal after ``max_nonfinite_steps`` in a row;
+  and non-finite losses or gradients skipped, counted, and fatal after ``max_nonfinite_steps`` in a row;
+- what a resumed run needs in a checkpoint: the trainable weights only (with LoRA the adapters, not the
+  frozen base, which is rebuilt from ``name_or_path``), the non-finite counters and every RNG state,
+  restored right before the first resumed step so it draws what the uninterrupted run drew;
 - reward and metric functions named by import path;
 - a step that runs with or without a Trainer: without one (the estimator runs the method's own step on
   fake tensors), backward, clipping, reductions and logging fall back to plain torch.
@@ -17,12 +20,14 @@ What a step *does* lives in the subclasses: each declares its phase names and im
 from __future__ import annotations
 
 import copy
+import random
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, ClassVar
 
 import lightning as L
+import numpy as np
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
@@ -59,7 +64,8 @@ class RLMethod(L.LightningModule):
         max_grad_norm: gradient clipping by global norm; 0 disables it.
         micro_batch_size: sequences per forward/backward in the update; ``null`` does the whole batch at
             once. Smaller means a lower activation peak, at more passes per step.
-        max_nonfinite_steps: stop the run after this many non-finite losses in a row (each is skipped).
+        max_nonfinite_steps: stop the run after this many non-finite losses or gradients in a row (each skips
+            its update); the message names the step and the last finite step's metrics.
         metric_funcs: reward-shaped functions (import paths) that are logged as ``metric/<name>/mean``,
             never rewarded.
     """
@@ -88,9 +94,11 @@ class RLMethod(L.LightningModule):
         if isinstance(lora, dict):  # hparams saved in a checkpoint hold the dataclass as a dict
             lora = LoraSettings(**lora)
         if micro_batch_size is not None and micro_batch_size < 1:
-            raise ValueError(f"model.micro_batch_size must be >= 1 or null, got {micro_batch_size}")
+            raise ValueError(
+                f"model.micro_batch_size: must be >= 1 or null, got {micro_batch_size}; use null for the whole batch"
+            )
         if max_nonfinite_steps < 1:
-            raise ValueError(f"model.max_nonfinite_steps must be >= 1, got {max_nonfinite_steps}")
+            raise ValueError(f"model.max_nonfinite_steps: must be >= 1, got {max_nonfinite_steps}; set it to 1 or more")
         missing = [p for p in (BACKWARD, OPTIMIZER) if p not in self.phase_names]
         if missing:
             raise TypeError(f"{type(self).__name__}.phase_names must include {missing} (announced by update())")
@@ -107,6 +115,8 @@ class RLMethod(L.LightningModule):
         self.metric_names, self.metric_fns = self.resolve_functions(metric_funcs or [], "model.metric_funcs")
         self._nonfinite_in_a_row = 0
         self._nonfinite_total = 0
+        self._last_finite: tuple[int, dict[str, float]] | None = None  # (optimizer steps done, that step's metrics)
+        self._pending_rng: dict[str, Any] | None = None  # restored from a checkpoint, applied at the next step
         self._standalone_optimizer: torch.optim.Optimizer | None = None
         self.last_metrics: dict[str, float] = {}
 
@@ -131,6 +141,8 @@ class RLMethod(L.LightningModule):
     def setup(self, stage: str) -> None:
         # the frozen reference and reward model are in eval mode on purpose; Lightning would warn at every fit
         warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode", category=PossibleUserWarning)
+        # a checkpoint holds the state after the step's optimizer update, which is what a resumed run continues from
+        warnings.filterwarnings("ignore", message=r"Using ModelCheckpoint with manual optimization")
         if self.tokenizer is None:
             self.tokenizer = load_tokenizer(
                 self.name_or_path,
@@ -189,18 +201,28 @@ class RLMethod(L.LightningModule):
         return self
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        # frozen models are rebuilt from their sources at load time: a checkpoint holds the trainable model only
+        # frozen models and the policy's frozen weights (the base under LoRA adapters) are rebuilt from their
+        # sources at load time: a checkpoint holds what trains only
         state = super().state_dict(*args, **kwargs)
         prefix = kwargs.get("prefix", args[1] if len(args) > 1 else "")
         prefixes = tuple(f"{prefix}{name}." for name in self.frozen_modules)
-        for key in [k for k in state if k.startswith(prefixes)]:
+        rebuilt = self._frozen_policy_keys(prefix)
+        for key in [k for k in state if k.startswith(prefixes) or k in rebuilt]:
             del state[key]
         return state
+
+    def _frozen_policy_keys(self, prefix: str = "") -> set[str]:
+        """State keys of the policy's parameters that do not train (the base weights under LoRA)."""
+        if self.policy is None:
+            return set()
+        named = self.policy.named_parameters(prefix=f"{prefix}policy", remove_duplicate=False)
+        return {name for name, p in named if not p.requires_grad}
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False):
         result = super().load_state_dict(state_dict, strict=False, assign=assign)
         prefixes = tuple(f"{name}." for name in self.frozen_modules)
-        missing = [k for k in result.missing_keys if not k.startswith(prefixes)]
+        rebuilt = self._frozen_policy_keys()
+        missing = [k for k in result.missing_keys if not k.startswith(prefixes) and k not in rebuilt]
         if strict and (missing or result.unexpected_keys):
             raise RuntimeError(
                 f"checkpoint does not match {type(self).__name__}: missing {missing[:5]}, "
@@ -211,7 +233,7 @@ class RLMethod(L.LightningModule):
     def configure_optimizers(self):
         params = [p for p in self.policy.parameters() if p.requires_grad]
         if not params:
-            raise ValueError("the policy has no trainable parameters; check model.lora.target_modules")
+            raise ValueError("model.lora.target_modules: the policy has no trainable parameters; name modules it has")
         hp = self.hparams
         return torch.optim.AdamW(params, lr=hp.learning_rate, weight_decay=hp.weight_decay)
 
@@ -220,6 +242,8 @@ class RLMethod(L.LightningModule):
         metrics, batch_size = self.train_step(batch)
         metrics["train/nonfinite_steps"] = float(self._nonfinite_total)
         self.last_metrics = metrics
+        if self._nonfinite_in_a_row == 0:
+            self._last_finite = (self.global_step, dict(metrics))
         if self._trainer is None:  # a step run without a Trainer (the estimator) logs nothing
             self.phases.pop_times()
             return
@@ -242,46 +266,70 @@ class RLMethod(L.LightningModule):
 
         ``loss_fn(slice)`` returns the micro-batch's loss (scaled so that the micro-batches add up to the
         batch loss) and detached statistics; it announces its own forward phases. The backward runs in
-        phase ``backward``; clipping and the step in ``optimizer``. A non-finite loss skips the step and
-        is counted; ``max_nonfinite_steps`` in a row stop the run.
+        phase ``backward``; clipping and the step in ``optimizer``. A non-finite loss or gradient (on any
+        process) skips the step on every process and is counted; ``max_nonfinite_steps`` in a row stop the run.
+        The gradient check costs one norm over the gradients per step; under a GradScaler (``16-mixed``)
+        it is left to the scaler, which skips the step and lowers its scale itself.
 
         Returns:
             ``(summed loss or nan when skipped, statistics of each micro-batch)``.
         """
         optimizer = self.optimizer()
-        total, finite, stats = 0.0, True, []
+        total, bad, stats = 0.0, None, []
         for sl in self.micro_batches(n):
             loss, micro_stats = loss_fn(sl)
-            if not torch.isfinite(loss):
-                finite = False
+            # decided together: under DDP a process that skipped its backward would leave the others waiting
+            if not self.finite_everywhere(loss.detach()):
+                bad = "loss"
                 break
             with self.phases(BACKWARD):
                 self.backward_loss(loss)
             total += loss.item()
             stats.append(micro_stats)
         with self.phases(OPTIMIZER):
-            if finite:
+            if bad is None and not self._gradients_finite(optimizer):
+                bad = "gradient"
+            if bad is None:
                 if self.hparams.max_grad_norm > 0:
                     self.clip(optimizer, self.hparams.max_grad_norm)
                 optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        self._track_nonfinite(finite)
-        return (total if finite else float("nan")), stats
+        self._track_nonfinite(bad)
+        return (total if bad is None else float("nan")), stats
 
-    def _track_nonfinite(self, finite: bool) -> None:
-        if finite:
+    def finite_everywhere(self, value: torch.Tensor) -> bool:
+        """Whether ``value`` is finite on every process (one all-reduce of a scalar under DDP)."""
+        # counts the processes where it is finite (a value read on the estimator's fake tensors is 1: finite)
+        finite = torch.isfinite(value).all().float()
+        return self.reduce_sum(finite).item() == self.world_size
+
+    def _gradients_finite(self, optimizer: torch.optim.Optimizer) -> bool:
+        if self._trainer is not None and getattr(self.trainer.precision_plugin, "scaler", None) is not None:
+            return True  # the GradScaler skips non-finite steps itself (and lowers its scale)
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+        return self.finite_everywhere(norm)  # FSDP: each process holds a shard of the gradients
+
+    def _track_nonfinite(self, bad: str | None) -> None:
+        if bad is None:
             self._nonfinite_in_a_row = 0
             return
         self._nonfinite_in_a_row += 1
         self._nonfinite_total += 1
-        rank_zero_warn(
-            f"non-finite loss at step {self.global_step}: update skipped ({self._nonfinite_in_a_row} in a row)"
-        )
+        step = self.global_step + 1  # the optimizer step that was attempted
+        rank_zero_warn(f"non-finite {bad} at step {step}: update skipped ({self._nonfinite_in_a_row} in a row)")
         if self._nonfinite_in_a_row >= self.hparams.max_nonfinite_steps:
+            if self._last_finite is None:
+                last = "no step was finite"
+            else:
+                done, metrics = self._last_finite
+                shown = [k for k in ("loss", "reward/mean", "kl/mean", "entropy/mean") if k in metrics]
+                values = ", ".join(f"{k}={metrics[k]:.4g}" for k in shown)
+                last = f"the last finite step was {done}" + (f" ({values})" if values else "")
             raise FloatingPointError(
-                f"{self._nonfinite_in_a_row} non-finite losses in a row (model.max_nonfinite_steps="
-                f"{self.hparams.max_nonfinite_steps}); lower model.learning_rate, use trainer.precision: bf16-mixed "
-                "instead of 16-bit weights, or raise max_nonfinite_steps"
+                f"model.max_nonfinite_steps: {self._nonfinite_in_a_row} non-finite updates in a row (the last a "
+                f"{bad} at step {step}; {last}); lower model.learning_rate, use trainer.precision: bf16-mixed "
+                f"instead of 16-bit weights, or raise max_nonfinite_steps (now {self.hparams.max_nonfinite_steps})"
             )
 
     # ------------------------------------------------------------------ with or without a Trainer
@@ -341,21 +389,84 @@ class RLMethod(L.LightningModule):
         return names, fns
 
     def score_functions(
-        self, fns: list[Callable], names: list[str], completions: list[str], batch: dict[str, Any], repeats: int
+        self,
+        fns: list[Callable],
+        names: list[str],
+        completions: list[str],
+        batch: dict[str, Any],
+        repeats: int,
+        field: str = "model.reward_funcs",
     ) -> torch.Tensor:
-        """Each function's scores, checked, as columns ``[B*repeats, F]`` (``F`` may be 0)."""
+        """Each function's scores, checked, as columns ``[B*repeats, F]`` (``F`` may be 0).
+
+        ``field`` names the setting that lists the functions, for the error messages.
+        """
         answers = [a for a in batch["answers"] for _ in range(repeats)]
         prompts = [p for p in batch["prompts"] for _ in range(repeats)]
-        columns = [score(fn, name, completions, answers, prompts) for fn, name in zip(fns, names)]
+        columns = [score(fn, name, completions, answers, prompts, field=field) for fn, name in zip(fns, names)]
         return torch.stack(columns, dim=1) if columns else torch.zeros(len(completions), 0)
 
     def metric_scores(self, completions: list[str], batch: dict[str, Any], repeats: int) -> dict[str, float]:
         """``metric/<name>/mean`` of each ``metric_funcs`` (logged, never rewarded)."""
         if not self.metric_fns:
             return {}
-        scores = self.score_functions(self.metric_fns, self.metric_names, completions, batch, repeats)
+        scores = self.score_functions(
+            self.metric_fns, self.metric_names, completions, batch, repeats, field="model.metric_funcs"
+        )
         return {f"metric/{n}/mean": scores[:, i].mean().item() for i, n in enumerate(self.metric_names)}
 
+    # ------------------------------------------------------------------ checkpoints
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        # the tokenizer is rebuilt from name_or_path; frozen models are rebuilt from their sources
-        checkpoint["lit_rl"] = {"name_or_path": self.name_or_path}
+        # the tokenizer is rebuilt from name_or_path; frozen models are rebuilt from their sources. Everything
+        # here is tensors and plain Python values, so the checkpoint loads with torch.load(weights_only=True)
+        checkpoint["lit_rl"] = {
+            "name_or_path": self.name_or_path,
+            "nonfinite_in_a_row": self._nonfinite_in_a_row,
+            "nonfinite_total": self._nonfinite_total,
+            "rng": self._rng_states(),
+        }
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        state = checkpoint.get("lit_rl", {})
+        self._nonfinite_in_a_row = int(state.get("nonfinite_in_a_row", 0))
+        self._nonfinite_total = int(state.get("nonfinite_total", 0))
+        self._pending_rng = state.get("rng")
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        # restored here, not at load: Lightning draws from the global generators between the load and the first
+        # step (DataLoader seeds, sanity checks), which the uninterrupted run did not do at this point
+        if self._pending_rng is not None:
+            self._set_rng_states(self._pending_rng)
+            self._pending_rng = None
+
+    def _rng_states(self) -> dict[str, Any]:
+        """torch (per process under DDP), CUDA, numpy and Python generator states, as tensors and plain values."""
+        torch_state = torch.get_rng_state()  # [S] uint8
+        cuda_state = torch.cuda.get_rng_state() if self.device.type == "cuda" else None
+        if self.world_size > 1:  # every process samples its own completions: keep each one's stream
+            torch_state = self.all_gather(torch_state.to(self.device)).cpu()  # [W, S]
+            if cuda_state is not None:
+                cuda_state = self.all_gather(cuda_state.to(self.device)).cpu()  # [W, S']
+        kind, keys, pos, has_gauss, gauss = np.random.get_state()
+        return {
+            "world_size": self.world_size,
+            "torch": torch_state,
+            "cuda": cuda_state,
+            "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss],
+            "python": random.getstate(),
+        }
+
+    def _set_rng_states(self, state: dict[str, Any]) -> None:
+        rank = self.global_rank if self._trainer is not None else 0
+        per_process = int(state.get("world_size", 1)) > 1
+
+        def own(tensor: torch.Tensor) -> torch.Tensor:
+            return (tensor[rank % tensor.shape[0]] if per_process else tensor).to(torch.uint8).cpu()
+
+        torch.set_rng_state(own(state["torch"]))
+        if state.get("cuda") is not None and self.device.type == "cuda":
+            torch.cuda.set_rng_state(own(state["cuda"]))
+        kind, keys, pos, has_gauss, gauss = state["numpy"]
+        np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+        version, internal, gauss_next = state["python"]
+        random.setstate((version, tuple(internal), gauss_next))

@@ -115,7 +115,10 @@ class RefCachedGRPO(RLMethod):
         self.reward_names, self.reward_fns = self.resolve_functions(paths, "model.reward_funcs")
         weights = reward_weights if reward_weights is not None else [1.0] * len(paths)
         if len(weights) != len(paths):
-            raise ValueError(f"model.reward_weights has {len(weights)} entries for {len(paths)} reward_funcs")
+            raise ValueError(
+                f"model.reward_weights: has {len(weights)} entries for {len(paths)} reward_funcs; give one weight per "
+                "reward function"
+            )
         self.register_buffer("reward_weights", torch.tensor(weights, dtype=torch.float32), persistent=False)
 
     @staticmethod
@@ -130,23 +133,29 @@ class RefCachedGRPO(RLMethod):
         hp = self.hparams
         if hp.num_generations < 2:
             raise ValueError(
-                f"model.num_generations must be >= 2 (a group needs two completions to compare), got {hp.num_generations}"
+                f"model.num_generations: must be >= 2 (a group needs two completions to compare), got "
+                f"{hp.num_generations}; set it to 2 or more"
             )
         if hp.loss_type not in LOSS_TYPES:
-            raise ValueError(f"model.loss_type: {hp.loss_type!r} is not one of {LOSS_TYPES}")
+            raise ValueError(f"model.loss_type: {hp.loss_type!r} is not one of {LOSS_TYPES}; use one of them")
         if hp.scale_rewards not in SCALE_REWARDS:
-            raise ValueError(f"model.scale_rewards: {hp.scale_rewards!r} is not one of {SCALE_REWARDS}")
+            raise ValueError(
+                f"model.scale_rewards: {hp.scale_rewards!r} is not one of {SCALE_REWARDS}; use one of them"
+            )
         if hp.epsilon_high < hp.epsilon_low:
             raise ValueError(
-                f"model.epsilon_high ({hp.epsilon_high}) < model.epsilon_low ({hp.epsilon_low}); "
+                f"model.epsilon_high: {hp.epsilon_high} < model.epsilon_low ({hp.epsilon_low}); "
                 "clip-higher needs epsilon_high >= epsilon_low"
             )
         if hp.beta < 0:
-            raise ValueError(f"model.beta must be >= 0, got {hp.beta}")
-        if hp.num_iterations < 1 or hp.max_new_tokens < 1:
-            raise ValueError("model.num_iterations and model.max_new_tokens must be >= 1")
-        if not 0 < hp.top_p <= 1 or hp.temperature <= 0:
-            raise ValueError("model.top_p must be in (0, 1] and model.temperature > 0")
+            raise ValueError(f"model.beta: must be >= 0, got {hp.beta}; use 0 to skip the reference pass")
+        for name in ("num_iterations", "max_new_tokens"):
+            if hp[name] < 1:
+                raise ValueError(f"model.{name}: must be >= 1, got {hp[name]}; set it to 1 or more")
+        if not 0 < hp.top_p <= 1:
+            raise ValueError(f"model.top_p: must be in (0, 1], got {hp.top_p}; use 1.0 to sample the full distribution")
+        if hp.temperature <= 0:
+            raise ValueError(f"model.temperature: must be > 0, got {hp.temperature}; use 1.0 for plain sampling")
 
     # ------------------------------------------------------------------ rollout
     @torch.no_grad()

@@ -124,15 +124,20 @@ class GumbelTopK(RLMethod):
         for name, value, low in (("num_generations", num_generations, 1), ("max_new_tokens", max_new_tokens, 1),
                                  ("gumbel_topk", gumbel_topk, 0), ("tau_decay_steps", tau_decay_steps, 1)):  # fmt: skip
             if value < low:
-                raise ValueError(f"model.{name} must be >= {low}, got {value}")
+                raise ValueError(f"model.{name}: must be >= {low}, got {value}; set it to {low} or more")
         if not tau > 0 or not tau_min > 0 or temperature <= 0:
-            raise ValueError(f"model.tau ({tau}), model.tau_min ({tau_min}) and model.temperature must be > 0")
+            raise ValueError(
+                f"model.tau: tau ({tau}), tau_min ({tau_min}) and temperature ({temperature}) must be > 0; "
+                "give positive values"
+            )
         if tau_schedule not in ("constant", "linear", "exponential"):
-            raise ValueError(f"model.tau_schedule: {tau_schedule!r} is not one of constant, linear, exponential")
+            raise ValueError(
+                f"model.tau_schedule: {tau_schedule!r} is not one of constant, linear, exponential; use one of them"
+            )
         if beta < 0:
-            raise ValueError(f"model.beta must be >= 0, got {beta}")
+            raise ValueError(f"model.beta: must be >= 0, got {beta}; use 0 to skip the reference")
         if bptt_window is not None and bptt_window < 1:
-            raise ValueError(f"model.bptt_window must be >= 1 or null, got {bptt_window}")
+            raise ValueError(f"model.bptt_window: must be >= 1 or null, got {bptt_window}; use null for full backprop")
         if gumbel_topk == 0 and (checkpoint_steps or bptt_window is not None):
             raise ValueError("model.gumbel_topk: 0 (the legacy path) has no checkpoint_steps or bptt_window; use k > 0")
         self.reward_model: torch.nn.Module | None = None

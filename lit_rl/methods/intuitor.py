@@ -59,7 +59,10 @@ class Intuitor(RefCachedGRPO):
     ) -> None:
         super().__init__(reward_funcs=reward_funcs if reward_funcs is not None else [], beta=beta, **kwargs)
         if self_certainty_weight == 0 and not self.reward_fns:
-            raise ValueError("model.self_certainty_weight is 0 and there are no reward_funcs: nothing to learn from")
+            raise ValueError(
+                "model.self_certainty_weight: is 0 and there are no reward_funcs, so nothing is rewarded; "
+                "set a positive weight or add reward_funcs"
+            )
 
     @torch.no_grad()
     def score_rollout(self, rollout: Rollout) -> dict[str, float]:
