@@ -16,13 +16,18 @@ as the real run would decide it:
 - **Text**: :class:`StandInTokenizer` decodes every completion to ``""`` (reward functions still run).
 - **Mask skipping**: transformers reads the attention mask to skip building the ``[B, 1, q, kv]``
   boolean mask when nothing is padded; :func:`patches` decides it from whether the batch is padded.
+- **Grouped expert matmuls** (``torch._grouped_mm``, the MoE experts of transformers): the fake kernel
+  accepts only bf16 inputs (the CUDA kernel's rule), so the output is allocated from the shapes the real
+  kernel returns, in any dtype (:func:`grouped_mm_result`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -48,19 +53,56 @@ class _ConstantReads(TorchDispatchMode):
         if func is torch.ops.aten._local_scalar_dense.default:
             dtype = args[0].dtype
             return True if dtype == torch.bool else 1.0 if dtype.is_floating_point else 1
+        if func is torch.ops.aten._grouped_mm.default:
+            return grouped_mm_result(*args, **(kwargs or {}))
         return func(*args, **(kwargs or {}))
+
+
+def grouped_mm_result(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
+    """The tensor ``torch._grouped_mm`` returns (shapes and dtype only): ``[M, N]`` for 2D x 3D (tokens grouped
+    by expert) and 3D x 2D, ``[G, M, N]`` for 3D x 3D and for 2D x 2D (the weight gradient, ``G = len(offs)``)."""
+    m, n = mat_a.shape[-2], mat_b.shape[-1]
+    if mat_a.dim() == 2 and mat_b.dim() == 2:
+        shape = (offs.shape[0], m, n)
+    elif mat_a.dim() == 3 and mat_b.dim() == 3:
+        shape = (mat_a.shape[0], m, n)
+    else:
+        shape = (m if mat_a.dim() == 2 else mat_a.shape[0] * m, n)
+    return torch.empty(shape, dtype=out_dtype or mat_a.dtype, device=mat_a.device)
 
 
 @contextlib.contextmanager
 def fake_mode() -> Iterator[Any]:
     """``FakeTensorMode`` (non-fake inputs allowed: a meta-device model is materialised with ``to_empty``) with
-    constant value reads on top."""
+    constant value reads on top.
+
+    Raises:
+        NotImplementedError: one line saying what could not run on fake tensors and where (the model file names
+            the architecture), for any failure other than a ``ValueError`` (a setting's own message).
+    """
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv(allow_scalar_outputs=True))
-    with mode, _ConstantReads():
-        yield mode
+    try:
+        with mode, _ConstantReads():
+            yield mode
+    except (ValueError, NotImplementedError):
+        raise
+    except Exception as err:  # an architecture whose step cannot run without values: say so, not a traceback
+        raise NotImplementedError(unpredictable(err)) from err
+
+
+def unpredictable(err: BaseException) -> str:
+    """One line for a step that failed on fake tensors: the error and the innermost model-code frame."""
+    frames = traceback.extract_tb(err.__traceback__)
+    model_frames = [f for f in frames if "/transformers/" in f.filename or "/lit_rl/" in f.filename] or frames
+    where = f" in {Path(model_frames[-1].filename).name}:{model_frames[-1].lineno}" if model_frames else ""
+    first = (str(err).splitlines() or [""])[0][:200]
+    return (
+        f"cannot predict this model's memory: its step does not run on fake tensors ({type(err).__name__}{where}: "
+        f"{first}); measure a short run with the MemoryProfiler callback instead (callbacks/memory_profiler.yaml)"
+    )
 
 
 @contextlib.contextmanager
@@ -150,8 +192,14 @@ def fake_generate(policy, record: GenerateRecord, *, padded: bool, full_decode: 
             if skipped:  # grow the cache to the length the skipped decode steps would have left
                 b = sequences.shape[0]
                 for layer_idx, layer in enumerate(cache.layers):
-                    shape = (b, layer.keys.shape[1], skipped, layer.keys.shape[3])
-                    cache.update(layer.keys.new_zeros(shape), layer.values.new_zeros(shape), layer_idx)
+                    keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+                    if not isinstance(keys, torch.Tensor) or keys.dim() != 4:
+                        continue  # a recurrent / linear-attention state has the same size at every step
+                    # keys and values may have different head sizes (MLA: MiniCPM3, DeepSeek-V3)
+                    new_keys = keys.new_zeros((b, keys.shape[1], skipped, keys.shape[3]))
+                    new_values = values.new_zeros((b, values.shape[1], skipped, values.shape[3]))
+                    cache.update(new_keys, new_values, layer_idx)
+                    del new_keys, new_values
                 grown = position_ids[:, -1:] + torch.arange(1, skipped + 1)  # [B, skipped]
                 position_ids = torch.cat([position_ids, grown], dim=-1)
                 if mask is not None:
@@ -191,13 +239,26 @@ def fake_generate(policy, record: GenerateRecord, *, padded: bool, full_decode: 
 
 
 def cache_size(cache) -> tuple[int, str]:
-    """Bytes of a transformers cache's keys and values, and a shape description."""
-    layers = [layer for layer in getattr(cache, "layers", []) if getattr(layer, "keys", None) is not None]
-    if not layers:
+    """Bytes of a transformers cache (keys and values, and the states of recurrent / linear-attention layers), and a
+    shape description."""
+    all_layers = list(getattr(cache, "layers", []))
+    storages = {}
+    for layer in all_layers:
+        for value in vars(layer).values():
+            for t in value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else [value]:
+                if isinstance(t, torch.Tensor):
+                    storages[id(t.untyped_storage())] = t.untyped_storage().nbytes()
+    layers = [layer for layer in all_layers if isinstance(getattr(layer, "keys", None), torch.Tensor)]
+    if not storages:
         return 0, ""
-    total = sum(layer.keys.untyped_storage().nbytes() + layer.values.untyped_storage().nbytes() for layer in layers)
-    k = layers[0].keys
-    return total, f"{len(layers)} layers x 2 x {list(k.shape)} {dtype_name(k.dtype)}"
+    total = sum(storages.values())
+    if not layers:
+        return total, f"{len(all_layers)} layers of recurrent states"
+    k, v = layers[0].keys, layers[0].values
+    kv = f"{list(k.shape)}" if k.shape == v.shape else f"(K {list(k.shape)}, V {list(v.shape)})"
+    others = len(all_layers) - len(layers)
+    extra = f" + {others} layers of recurrent states" if others else ""
+    return total, f"{len(layers)} layers x 2 x {kv} {dtype_name(k.dtype)}{extra}"
 
 
 def dtype_name(dtype: torch.dtype) -> str:
