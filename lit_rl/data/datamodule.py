@@ -23,6 +23,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.utils.data import DataLoader, Dataset
 
 from lit_rl.data.density import EmbeddingCache, StaleEmbeddingCacheError, density_weights_for
+from lit_rl.data.heldout import split_held_out
 from lit_rl.data.tasks import arithmetic_prompts, read_records
 
 _SUBCOMMANDS = ("fit", "validate", "test", "predict")
@@ -88,6 +89,10 @@ class PromptDataModule(L.LightningDataModule):
         density_cache_dir: folder for the offline embedding cache (``lit-rl embed`` writes it).
         seed: seeds the arithmetic generator and the sampling stream.
         num_workers: DataLoader workers.
+        val_size: held-out prompts taken from ``source`` (distinct prompt texts, drawn with ``seed``; no training
+            row keeps one), for ``val``/``test`` evaluation; 0 with no ``val_source``: no held-out set.
+        val_source: a ``.jsonl`` / ``.parquet`` file of held-out prompts (same fields as ``source``) instead.
+        val_batch_size: held-out prompts per evaluation batch (default ``batch_size``).
     """
 
     def __init__(
@@ -109,6 +114,9 @@ class PromptDataModule(L.LightningDataModule):
         density_cache_dir: str | None = None,
         seed: int = 0,
         num_workers: int = 0,
+        val_size: int = 0,
+        val_source: str | None = None,
+        val_batch_size: int | None = None,
     ) -> None:
         super().__init__()
         if batch_size < 1:
@@ -117,8 +125,11 @@ class PromptDataModule(L.LightningDataModule):
             raise ValueError(f"data.truncation: {truncation!r} is not 'left' or 'error'; use one of them")
         if sampler not in ("uniform", "density"):
             raise ValueError(f"data.sampler: {sampler!r} is not 'uniform' or 'density'; use one of them")
+        if val_size and val_source is not None:
+            raise ValueError(f"data.val_size: {val_size} with data.val_source {val_source}; set one of them, not both")
         self.save_hyperparameters()
         self.records: list[dict[str, Any]] | None = None
+        self.held_out: list[dict[str, Any]] | None = None
         self.tokenizer = None
         self._embed_model: Callable[[], torch.nn.Module] | None = None
         self._model_id = ""
@@ -150,7 +161,15 @@ class PromptDataModule(L.LightningDataModule):
                 self.records = arithmetic_prompts(hp.num_prompts, difficulty=hp.difficulty, seed=hp.seed)
             else:
                 self.records = read_records(hp.source, prompt_field=hp.prompt_field, answer_field=hp.answer_field)
+            self.records, self.held_out = split_held_out(self.records, hp.val_size, seed=hp.seed)
+            if hp.val_source is not None:
+                self.held_out = read_records(hp.val_source, prompt_field=hp.prompt_field, answer_field=hp.answer_field)
         return self.records
+
+    def held_out_records(self) -> list[dict[str, Any]]:
+        """The held-out prompts (``val_source`` or ``val_size`` of ``source``); empty without either."""
+        self.prepare_records()
+        return self.held_out or []
 
     def setup(self, stage: str) -> None:
         self.prepare_records()
@@ -313,6 +332,18 @@ class PromptDataModule(L.LightningDataModule):
             # one, which a resumed run restores at its first step (the uninterrupted run drew them earlier)
             generator=torch.Generator().manual_seed(self.hparams.seed),
         )
+
+    def val_dataloader(self) -> DataLoader | list:
+        """Held-out prompts in file order, each once; ``[]`` (no evaluation) without ``val_size`` or ``val_source``."""
+        records = self.held_out_records()
+        if not records:
+            return []
+        batch_size = self.hparams.val_batch_size or self.hparams.batch_size
+        return DataLoader(_Records(records), batch_size=batch_size, collate_fn=self.collate, shuffle=False)
+
+    def test_dataloader(self) -> DataLoader | list:
+        """The held-out prompts, as for validation (``lit-rl test`` reports them under ``test/``)."""
+        return self.val_dataloader()
 
     # ------------------------------------------------------------------ resume
     def state_dict(self) -> dict[str, Any]:

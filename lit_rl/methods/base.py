@@ -34,10 +34,11 @@ from lightning.pytorch.utilities.warnings import PossibleUserWarning
 
 from lit_rl.data.rewards import resolve_reward_fn, score
 from lit_rl.memory.phases import BACKWARD, OPTIMIZER, PhaseTracker
+from lit_rl.methods.evaluation import EvalSettings, HeldOutEvaluation
 from lit_rl.models import LoraSettings, load_causal_lm, load_tokenizer
 
 
-class RLMethod(L.LightningModule):
+class RLMethod(HeldOutEvaluation, L.LightningModule):
     """Loads the policy in ``configure_model``, owns ``self.phases``, optimizes with manual optimization.
 
     Manual optimization because one RL step is several passes (rollout, reference, micro-batched
@@ -68,6 +69,8 @@ class RLMethod(L.LightningModule):
             its update); the message names the step and the last finite step's metrics.
         metric_funcs: reward-shaped functions (import paths) that are logged as ``metric/<name>/mean``,
             never rewarded.
+        evaluation: how held-out prompts are completed and scored (greedy by default), see
+            :class:`~lit_rl.methods.evaluation.EvalSettings`; the prompts come from the datamodule's ``val_dataloader``.
     """
 
     phase_names: ClassVar[tuple[str, ...]] = (BACKWARD, OPTIMIZER)
@@ -88,6 +91,7 @@ class RLMethod(L.LightningModule):
         micro_batch_size: int | None = None,
         max_nonfinite_steps: int = 3,
         metric_funcs: list[str] | None = None,
+        evaluation: EvalSettings | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()  # collects the arguments of every __init__ in the chain
@@ -119,6 +123,12 @@ class RLMethod(L.LightningModule):
         self._pending_rng: dict[str, Any] | None = None  # restored from a checkpoint, applied at the next step
         self._standalone_optimizer: torch.optim.Optimizer | None = None
         self.last_metrics: dict[str, float] = {}
+        if isinstance(evaluation, dict):  # hparams saved in a checkpoint hold the dataclass as a dict
+            evaluation = EvalSettings(**evaluation)
+        self.evaluation_settings = evaluation or EvalSettings()
+        self.last_evaluation: dict[str, float] = {}
+        #: shapes of the latest step that set its memory (``prompt_length``, ``new_tokens``: the longest completion)
+        self.step_shape: dict[str, int] = {}
 
     # ------------------------------------------------------------------ what a subclass provides
     @property

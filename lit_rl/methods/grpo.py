@@ -19,11 +19,11 @@ from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Literal
 
 import torch
-from transformers import GenerationConfig
 
 from lit_rl.losses import LOSS_TYPES, SCALE_REWARDS, frac_zero_std, group_advantages, grpo_loss, masked_mean
 from lit_rl.memory.phases import BACKWARD, OPTIMIZER
 from lit_rl.methods.base import RLMethod
+from lit_rl.methods.evaluation import sample_completions
 from lit_rl.models import head_spec, trunk_hidden
 from lit_rl.ops import TokenStats, token_stats
 from lit_rl.ops.token_math import LOGITS_BUDGET_BYTES, plan_chunks
@@ -170,25 +170,10 @@ class RefCachedGRPO(RLMethod):
         input_ids = input_ids.repeat_interleave(hp.num_generations, dim=0)  # [B*G, P]
         attention_mask = attention_mask.repeat_interleave(hp.num_generations, dim=0)  # [B*G, P]
         eos = self.eos_ids()
-        # a fresh config: checkpoint defaults (top_k=50, repetition penalties) would bias the samples
-        config = GenerationConfig(
-            do_sample=True,
-            temperature=hp.temperature,
-            top_p=hp.top_p,
-            top_k=0,
-            max_new_tokens=hp.max_new_tokens,
-            pad_token_id=self.tokenizer.pad_token_id,
-            eos_token_id=eos,
-            use_cache=True,
-        )
-        was_training = self.policy.training
-        self.policy.eval()
-        try:
-            sequences = self.policy.generate(
-                input_ids=input_ids, attention_mask=attention_mask, generation_config=config
-            )  # [B*G, P + C]
-        finally:
-            self.policy.train(was_training)
+        sequences = sample_completions(
+            self.policy, input_ids, attention_mask, self.tokenizer.pad_token_id, eos,
+            do_sample=True, temperature=hp.temperature, top_p=hp.top_p, top_k=0, max_new_tokens=hp.max_new_tokens,
+        )  # [B*G, P + C]  # fmt: skip
         completion = sequences[:, input_ids.shape[1] :]  # [B*G, C]
         is_eos = torch.isin(completion, torch.tensor(eos, device=completion.device))  # [B*G, C]
         first_eos = torch.where(is_eos.any(1), is_eos.int().argmax(1), completion.shape[1])  # [B*G]
@@ -213,6 +198,7 @@ class RefCachedGRPO(RLMethod):
             sequences, completion_mask = self.generate(batch["input_ids"], batch["attention_mask"])
             prompt_length = batch["input_ids"].shape[1]
             completion_ids = sequences[:, prompt_length:]  # [B*G, C]
+            self.step_shape = {"prompt_length": prompt_length, "new_tokens": completion_ids.shape[1]}
             lengths = completion_mask.sum(1)  # [B*G]
             completions = self.decode(completion_ids, lengths)
             rewards, metrics = self.compute_rewards(completions, batch)

@@ -201,6 +201,8 @@ class GumbelTopK(RLMethod):
         rewards = torch.cat([r for r, _ in parts])  # [B*G]
         mask = torch.cat([r.mask for _, r in parts])  # [B*G, C]
         tokens = torch.cat([r.tokens for _, r in parts])  # [B*G, C]
+        # the longest soft rollout of the step sets its memory (a micro-batch stops early when all its rows ended)
+        self.step_shape = {"prompt_length": prompt_ids.shape[1], "new_tokens": max(r.tokens.shape[1] for _, r in parts)}
         kl = torch.cat([r.kl.detach() for _, r in parts])  # [B*G, C]
         mass = torch.cat([r.topk_mass for _, r in parts])  # [B*G, C]
         lengths = mask.sum(1)  # [B*G]
