@@ -1,10 +1,13 @@
-"""The ``lit-rl`` command: LightningCLI's ``fit / validate / test / predict`` plus ``estimate`` and ``embed``.
+"""The ``lit-rl`` command: LightningCLI's ``fit / validate / test / predict`` plus ``estimate``, ``embed``,
+``reward-model`` and ``export`` (``lit-rl --help`` lists them all).
 
 lit-rl fit --config configs/grpo.yaml
 lit-rl fit --config configs/grpo.yaml --config callbacks/memory_profiler.yaml --trainer.max_steps 5
 lit-rl fit --model.help RefCachedGRPO
 lit-rl embed --config configs/grpo_density.yaml      # offline embedding cache for density sampling
 lit-rl reward-model                                  # train the embedded arithmetic reward model (GumbelTopK)
+lit-rl validate --config configs/grpo.yaml --ckpt_path runs/grpo/.../last.ckpt   # held-out scores of a checkpoint
+lit-rl export --ckpt_path runs/grpo/.../last.ckpt --out grpo-arith               # a from_pretrained folder
 
 A mistake in the settings, files or functions a run is given is answered in one line on stderr,
 ``error: <field>: <what is wrong>; <the fix>``, with exit status 2; ``--debug`` (or ``LIT_RL_DEBUG=1``)
@@ -383,7 +386,38 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(2) from None
 
 
+#: the subcommands lit-rl adds to LightningCLI's, with their one-line help (``lit-rl --help`` lists them)
+EXTRA_SUBCOMMANDS = {
+    "estimate": "predict the per-phase peak memory of a config's step, without loading weights (padded upper bound)",
+    "embed": "write the prompt-embedding cache that density sampling reuses",
+    "reward-model": "train the embedded arithmetic reward model (GumbelTopK's default reward)",
+    "export": "write a checkpoint's policy as a Hugging Face folder (merged weights, or the LoRA adapter)",
+}
+
+
+def _print_help() -> None:
+    """LightningCLI's help, then the subcommands lit-rl adds (jsonargparse lists only the Trainer's)."""
+    import contextlib
+    import io
+
+    buffer = io.StringIO()
+    with contextlib.redirect_stdout(buffer), contextlib.suppress(SystemExit):
+        LitRLCLI(args=["--help"])
+    print(buffer.getvalue().rstrip())
+    print("\nmore subcommands (each takes --help):")
+    for name, text in EXTRA_SUBCOMMANDS.items():
+        print(f"    {name:<14}{text}")
+
+
 def _run(args: list[str], *, from_sys_argv: bool, debug: bool) -> None:
+    if args and args[0] in ("-h", "--help"):
+        _print_help()
+        return
+    if args and args[0] == "export":
+        from lit_rl.methods.export import main as export_main
+
+        export_main(args[1:])
+        return
     if args and args[0] == "embed":
         _embed(args[1:])
         return

@@ -22,8 +22,10 @@ def _tiny_overrides(config: Path, tmp_path: Path) -> list[str]:
         "--model.init_args.dtype", "float32",
         "--model.init_args.max_new_tokens", "4",
         "--trainer.accelerator", "cpu", "--trainer.precision", "32-true", "--trainer.max_steps", "1",
-        "--trainer.enable_progress_bar", "false", "--trainer.enable_checkpointing", "false",
-        "--trainer.logger.init_args.save_dir", str(tmp_path),
+        "--trainer.enable_progress_bar", "false",
+        *([] if "ModelCheckpoint" in text else ["--trainer.enable_checkpointing", "false"]),
+        "--trainer.default_root_dir", str(tmp_path),  # moves logs, config and checkpoints
+        *(["--trainer.logger.init_args.save_dir", str(tmp_path)] if "save_dir:" in text else []),
         "--data.init_args.batch_size", "2",
         "--data.init_args.density_cache_dir", str(tmp_path / "embeddings"),
     ]  # fmt: skip
