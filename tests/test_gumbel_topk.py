@@ -133,6 +133,73 @@ def test_straight_through_forward_feeds_the_hard_token():
     assert torch.all(rollout.topk_mass <= 1 + 1e-6) and torch.all(rollout.topk_mass > 0)
 
 
+def test_survival_value_and_gradient_against_a_float64_product():
+    from lit_rl.methods.gumbel import survival
+
+    g = torch.Generator().manual_seed(3)
+    stop = torch.rand(4, 7, generator=g, dtype=torch.float64)  # odd length
+    stop[0, 2] = 1.0  # a hard stop: cumprod's gradient would divide by 0 here
+    stop[1] = 0.0  # never stops
+    stop.requires_grad_(True)
+    alive = survival(stop)  # [4, 8]
+    reference = [torch.ones(4, dtype=torch.float64)]
+    for t in range(7):
+        reference.append(torch.prod(1 - stop[:, : t + 1], dim=1))
+    reference = torch.stack(reference, 1)
+    weights = torch.randn(4, 8, generator=g, dtype=torch.float64)
+    torch.testing.assert_close(alive, reference, rtol=0, atol=1e-15)
+    (got,) = torch.autograd.grad((alive * weights).sum(), stop, retain_graph=True)
+    (want,) = torch.autograd.grad((reference * weights).sum(), stop)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-15)
+    assert torch.all(alive[0, 3:] == 0) and torch.all(alive[1] == 1)
+    assert torch.isfinite(got).all() and got[0, :2].abs().sum() > 0  # gradient before the hard stop is not lost
+
+
+@pytest.mark.parametrize("k", [0, 6])
+def test_differentiable_stop_keeps_the_hard_reward_and_adds_the_stop_gradient(k):
+    """Hard tokens: the reward read through the EOS weights equals the score at the hard stop (the same
+    forward); only the gradient differs, by the stop's own term."""
+    out, eos = {}, None
+    for stop in (False, True):
+        method = _double(_method(gumbel_topk=k, hard=True, beta=0.1, max_new_tokens=4, differentiable_stop=stop))
+        ids, mask = _prompts(method, n=6)
+        if eos is None:  # as EOS, a token the first step keeps (top-k) but does not choose: its weight has a gradient
+            torch.manual_seed(0)
+            first = method.soft_rollout(ids, mask, method.tau_at(0))
+            eos = int(first.indices[0, 0, 1]) if k else int((first.tokens[0, 0] + 1) % 128)
+        method.eos_ids = lambda eos=eos: [eos]
+        torch.manual_seed(0)
+        rollout = method.soft_rollout(ids, mask, method.tau_at(0))
+        reward = method.score(ids, mask, rollout)  # [b]
+        loss = (method.hparams.beta * rollout.kl.sum(1) - reward).mean()
+        weight = method.policy.model.layers[0].mlp.down_proj.weight
+        (grad,) = torch.autograd.grad(loss, weight)
+        out[stop] = (reward.detach(), rollout.tokens, grad)
+    torch.testing.assert_close(out[True][0], out[False][0], rtol=0, atol=1e-12)
+    assert torch.equal(out[True][1], out[False][1])
+    assert not torch.allclose(out[True][2], out[False][2])
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_min_new_tokens_forbids_an_early_eos_only(k):
+    method = _method(gumbel_topk=k, hard=True, max_new_tokens=4, min_new_tokens=0)
+    ids, mask = _prompts(method, n=4)
+    torch.manual_seed(0)
+    first = method.soft_rollout(ids, mask, 0.5).tokens[:, 0]  # [b] what the first step picks, same noise below
+    eos = int(first[0])
+    method.eos_ids = lambda: [eos]
+    tokens = {}
+    for minimum in (0, 1):
+        method.hparams.min_new_tokens = minimum
+        torch.manual_seed(0)
+        rollout = method.soft_rollout(ids, mask, 0.5)
+        tokens[minimum] = rollout.tokens
+        assert rollout.mask[0, 0] == 1  # the first token always counts
+    assert tokens[0][0, 0] == eos and (tokens[0][0] == eos).sum() >= 1  # allowed: row 0 ends at once
+    assert tokens[1][0, 0] != eos  # forbidden: another token in its place
+    assert tokens[1].shape[1] > 1  # and the rollout goes on
+
+
 def test_tau_schedules():
     method = GumbelTopK(**RUN, tau=1.0, tau_min=0.1, tau_decay_steps=10, tau_schedule="linear")
     assert [round(method.tau_at(s), 6) for s in (0, 5, 10, 20)] == [1.0, 0.55, 0.1, 0.1]
@@ -182,6 +249,7 @@ def test_estimate_runs_the_method_step_with_its_own_phases():
         (dict(tau=0), "tau"),
         (dict(gumbel_topk=-1), "gumbel_topk: must be >= 0"),
         (dict(tau_schedule="cosine"), "tau_schedule"),
+        (dict(min_new_tokens=5, max_new_tokens=4), "min_new_tokens"),
         (dict(bptt_window=0), "bptt_window"),
         (dict(gumbel_topk=0, checkpoint_steps=True), "legacy path"),
         (dict(beta=-1.0), "beta"),

@@ -43,13 +43,19 @@ def reward_folder(tmp_path):
     return tmp_path / "rm", tok
 
 
-def test_sparse_equals_dense_value_and_gradient_float64(reward_folder):
+def _float64_model_and_prompts(reward_folder, lengths: list[int], seed: int):
+    """The saved reward model in float64, its vocabulary size, a seeded generator and left-padded prompts."""
     folder, tok = reward_folder
     model = load_reward_model(str(folder), policy_tokenizer=tok).double()
     V = model.get_input_embeddings().num_embeddings
-    g = torch.Generator().manual_seed(1)
+    g = torch.Generator().manual_seed(seed)
+    input_ids, prompt_mask = _left_padded_prompts(lengths, V, tok.pad_token_id, g)  # [B, P]
+    return model, V, g, input_ids, prompt_mask
+
+
+def test_sparse_equals_dense_value_and_gradient_float64(reward_folder):
     B, C, k = 3, 5, 3
-    input_ids, prompt_mask = _left_padded_prompts([7, 4, 2], V, tok.pad_token_id, g)  # [B, P]
+    model, V, g, input_ids, prompt_mask = _float64_model_and_prompts(reward_folder, [7, 4, 2], seed=1)
     completion_mask = torch.ones(B, C, dtype=torch.long)  # [B, C]
     completion_mask[1, 3:] = 0  # a completion that ended early
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)  # [B, P + C]
@@ -74,6 +80,29 @@ def test_sparse_equals_dense_value_and_gradient_float64(reward_folder):
     torch.testing.assert_close(grad_sparse, grad_dense.gather(-1, soft_indices), rtol=1e-9, atol=1e-12)
     assert grad_sparse.abs().sum() > 0
     assert grad_sparse[1, 3:].abs().max() == 0  # masked positions after the end do not reach the score
+
+
+def test_every_prefix_score_equals_the_score_of_that_prefix_float64(reward_folder):
+    from lit_rl.models import score_every_prefix, soft_embeddings
+
+    B, C, k = 3, 5, 4
+    model, V, g, input_ids, prompt_mask = _float64_model_and_prompts(reward_folder, [6, 3, 5], seed=2)
+    soft_indices = torch.stack([torch.randperm(V - 3, generator=g)[:k] + 3 for _ in range(B * C)]).view(B, C, k)
+    weights = torch.randn(B, C, k, generator=g, dtype=torch.float64).softmax(-1).requires_grad_(True)  # [B, C, k]
+    embeds = soft_embeddings(model.get_input_embeddings(), soft_indices, weights)  # [B, C, H]
+
+    table = score_every_prefix(model, input_ids, embeds, prompt_mask)  # [B, C]
+    assert table.shape == (B, C)
+    for t in range(C):  # the prefix cut after token t, scored alone with its mask ending at t
+        completion_mask = (torch.arange(C) <= t).long().expand(B, C)  # [B, C]
+        alone = forward_soft_sparse(
+            model, input_ids, soft_indices, weights, torch.cat([prompt_mask, completion_mask], 1)
+        )
+        torch.testing.assert_close(table[:, t], alone, rtol=0, atol=1e-10)
+        (g_table,) = torch.autograd.grad(table[:, t].sum(), weights, retain_graph=True)
+        (g_alone,) = torch.autograd.grad(alone.sum(), weights)
+        torch.testing.assert_close(g_table, g_alone, rtol=1e-9, atol=1e-12)
+        assert g_table[:, t + 1 :].abs().max() == 0 if t + 1 < C else True  # a prefix never sees what follows
 
 
 def test_one_hot_equals_the_models_own_score(reward_folder):

@@ -43,7 +43,7 @@ from transformers import DynamicCache
 
 from lit_rl.memory.phases import BACKWARD, OPTIMIZER
 from lit_rl.methods.base import RLMethod
-from lit_rl.models import forward_soft_embeds, head_spec, load_reward_model, trunk
+from lit_rl.models import forward_soft_embeds, head_spec, load_reward_model, score_every_prefix, soft_embeddings, trunk
 from lit_rl.ops import gumbel_softmax_topk, kl_divergence
 
 EMBEDDED_REWARD = "embedded"
@@ -78,6 +78,9 @@ class GumbelTopK(RLMethod):
             arithmetic task (trained once and cached, see :mod:`lit_rl.data.reward_model`).
         num_generations: rollouts per prompt.
         max_new_tokens: generation steps ``C``. Memory: every step's graph is kept for the backward.
+        min_new_tokens: EOS cannot be sampled before this many tokens (as in ``generate``); the default 1
+            forbids the empty completion, which a reward model that never saw one may score above a real
+            answer (the embedded one does). The KL is of the unconstrained distributions.
         temperature: the policy's logits are divided by it before the Gumbel-softmax and the KL.
         gumbel_topk: ``k``, tokens kept per soft token; ``0`` runs the legacy full-vocabulary path.
         hard: straight-through (GRADE-STE): the forward uses the one-hot token, the backward the soft weights.
@@ -90,6 +93,9 @@ class GumbelTopK(RLMethod):
             memory grows linearly in the length instead of faster; costs about one more forward per step.
         bptt_window: backpropagate through the last this-many steps only (``null``: all of them); earlier
             steps run without gradient, which saves their graphs at the cost of a biased gradient.
+        differentiable_stop: read the reward where each completion stops through its EOS weights, so the
+            gradient also says whether stopping earlier or later would score better (see :meth:`score`);
+            ``false``: the score at the hard stop only, and stopping gets no gradient. Same forward value.
         **kwargs: model, optimizer, micro-batch and metric settings, see :class:`~lit_rl.methods.base.RLMethod`.
 
     Raises:
@@ -108,6 +114,7 @@ class GumbelTopK(RLMethod):
         reward_model: str = EMBEDDED_REWARD,
         num_generations: int = 1,
         max_new_tokens: int = 8,
+        min_new_tokens: int = 1,
         temperature: float = 1.0,
         gumbel_topk: int = 256,
         hard: bool = True,
@@ -118,13 +125,20 @@ class GumbelTopK(RLMethod):
         beta: float = 0.01,
         checkpoint_steps: bool = False,
         bptt_window: int | None = None,
+        differentiable_stop: bool = True,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         for name, value, low in (("num_generations", num_generations, 1), ("max_new_tokens", max_new_tokens, 1),
-                                 ("gumbel_topk", gumbel_topk, 0), ("tau_decay_steps", tau_decay_steps, 1)):  # fmt: skip
+                                 ("gumbel_topk", gumbel_topk, 0), ("tau_decay_steps", tau_decay_steps, 1),
+                                 ("min_new_tokens", min_new_tokens, 0)):  # fmt: skip
             if value < low:
                 raise ValueError(f"model.{name}: must be >= {low}, got {value}; set it to {low} or more")
+        if min_new_tokens > max_new_tokens:
+            raise ValueError(
+                f"model.min_new_tokens: {min_new_tokens} is more than model.max_new_tokens ({max_new_tokens}); "
+                "lower it or raise max_new_tokens"
+            )
         if not tau > 0 or not tau_min > 0 or temperature <= 0:
             raise ValueError(
                 f"model.tau: tau ({tau}), tau_min ({tau_min}) and temperature ({temperature}) must be > 0; "
@@ -191,7 +205,8 @@ class GumbelTopK(RLMethod):
                 rollout = self.soft_rollout(prompt_ids[sl], prompt_mask[sl], tau)
             with self.phases("reward"):
                 reward = self.score(prompt_ids[sl], prompt_mask[sl], rollout)  # [b]
-                kl = rollout.kl.sum(1)  # [b] sequence KL
+                alive = survival(self.stop_weights(rollout))[:, :-1] if hp.differentiable_stop else 1.0  # [b, C']
+                kl = (rollout.kl * alive).sum(1)  # [b] sequence KL; with alive, stopping earlier saves the rest
                 loss = (hp.beta * kl - reward).sum() / n
             parts.append((reward.detach(), rollout))
             return loss, {}
@@ -224,13 +239,39 @@ class GumbelTopK(RLMethod):
         return metrics, n
 
     def score(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, rollout: SoftRollout) -> torch.Tensor:
-        """The reward model's score ``[b]`` of the prompt (hard tokens) and the soft completion."""
-        attention_mask = torch.cat([prompt_mask, rollout.mask.to(prompt_mask.dtype)], dim=1)  # [b, P + C]
-        if self.hparams.gumbel_topk == 0:  # legacy: dense [b, C, V] @ [V, H] soft tokens
-            table = self.reward_model.get_input_embeddings().weight  # [V, H]
-            embeds = rollout.weights.to(table.dtype) @ table  # [b, C, H]
+        """The reward model's score ``[b]`` of the prompt (hard tokens) and the soft completion, read where it stops.
+
+        With ``differentiable_stop`` the reward model scores every prefix in one causal pass (``s_t``, the
+        score of the completion cut after token ``t``), and the reward is
+        ``sum_t alive_t * e_t * s_t + alive_C * s_(C-1)``, where ``e_t`` is the weight of EOS in soft token
+        ``t`` and ``alive_t = prod_(u<t) (1 - e_u)``. With hard (straight-through) tokens the ``e_t`` are
+        exactly 0 or 1 in the forward, so the value is the score at the first EOS (or at the last token), the
+        same as reading that position alone; the backward adds ``d reward / d e_t = alive_t * (s_t - what
+        continuing scores)``: the policy learns to stop where stopping scores better, which the attention
+        mask of a hard cut cannot tell it.
+        """
+        embeds = self.reward_embeddings(rollout)  # [b, C', H]
+        if not self.hparams.differentiable_stop:
+            attention_mask = torch.cat([prompt_mask, rollout.mask.to(prompt_mask.dtype)], dim=1)  # [b, P + C']
             return forward_soft_embeds(self.reward_model, prompt_ids, embeds, attention_mask)
-        return self.reward_model.forward_soft_sparse(prompt_ids, rollout.indices, rollout.weights, attention_mask)
+        prefix_scores = score_every_prefix(self.reward_model, prompt_ids, embeds, prompt_mask)  # [b, C']
+        stop = self.stop_weights(rollout).to(prefix_scores.dtype)  # [b, C']
+        alive = survival(stop)  # [b, C' + 1]
+        return (alive[:, :-1] * stop * prefix_scores).sum(1) + alive[:, -1] * prefix_scores[:, -1]  # [b]
+
+    def reward_embeddings(self, rollout: SoftRollout) -> torch.Tensor:
+        """``[b, C', H]``: the completion's input embeddings in the reward model (k rows per token, or dense)."""
+        embedding = self.reward_model.get_input_embeddings()
+        if self.hparams.gumbel_topk == 0:  # legacy: dense [b, C, V] @ [V, H] soft tokens
+            return rollout.weights.to(embedding.weight.dtype) @ embedding.weight
+        return soft_embeddings(embedding, rollout.indices, rollout.weights)
+
+    def stop_weights(self, rollout: SoftRollout) -> torch.Tensor:
+        """``[b, C']``: each soft token's weight on the end-of-sequence ids (0 or 1 forward with hard tokens)."""
+        eos = torch.tensor(self.eos_ids(), device=rollout.weights.device)
+        if self.hparams.gumbel_topk == 0:
+            return rollout.weights[..., eos].sum(-1)
+        return (rollout.weights * torch.isin(rollout.indices, eos)).sum(-1)
 
     # ------------------------------------------------------------------ the differentiable rollout
     def soft_rollout(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, tau: float) -> SoftRollout:
@@ -248,7 +289,8 @@ class GumbelTopK(RLMethod):
         hidden = policy.hidden  # [b, H] predicts the first completion token
         for t in range(c):
             with torch.set_grad_enabled(t >= first_grad):
-                logits = _at_least_float32(head.logits(hidden)) / hp.temperature  # [b, V]
+                policy_logits = _at_least_float32(head.logits(hidden)) / hp.temperature  # [b, V] (the KL's)
+                logits = policy_logits.index_fill(-1, eos, float("-inf")) if t < hp.min_new_tokens else policy_logits
                 # the noise is drawn over the whole vocabulary, so top-k (k = V) and the legacy path see the same draw
                 u = torch.rand(logits.shape, device=logits.device).clamp_min(torch.finfo(torch.float32).tiny)  # [b, V]
                 noise = -torch.log(-torch.log(u))  # [b, V] Gumbel(0, 1)
@@ -268,7 +310,7 @@ class GumbelTopK(RLMethod):
                     kls.append(kl * alive)  # [b]
                 elif reference is not None:  # legacy: keep both logits rows, the KL comes at the end
                     ref_logits.append(reference.logits())  # [b, V] no grad
-                    kls.append(logits)  # [b, V] with grad
+                    kls.append(policy_logits)  # [b, V] with grad
                 weights.append(w)
                 if hp.gumbel_topk > 0:  # the legacy path's ids are arange(V): never materialised
                     indices.append(idx)
@@ -303,6 +345,18 @@ class GumbelTopK(RLMethod):
             return (weights.to(table.weight.dtype) @ table.weight)[:, None]  # [b, 1, H]
         rows = table(indices)  # [b, k, H]
         return (weights.to(rows.dtype)[..., None] * rows).sum(1, keepdim=True)  # [b, 1, H]
+
+
+def survival(stop: torch.Tensor) -> torch.Tensor:
+    """``[b, C + 1]``: ``alive_t = prod_(u<t) (1 - stop_u)``, the weight of still running before token ``t``.
+
+    A loop rather than ``cumprod``, whose gradient divides by the factors and is undefined at a factor of 0
+    (a hard stop).
+    """
+    alive = [torch.ones_like(stop[:, 0])]  # [b]
+    for t in range(stop.shape[1]):
+        alive.append(alive[-1] * (1 - stop[:, t]))
+    return torch.stack(alive, 1)
 
 
 def _embedded_reward_model() -> str:

@@ -34,7 +34,13 @@ from lit_rl.models.loading import (
     resolve_dtype,
     resolve_source,
 )
-from lit_rl.models.reward import forward_soft_embeds, forward_soft_sparse, load_reward_model
+from lit_rl.models.reward import (
+    forward_soft_embeds,
+    forward_soft_sparse,
+    load_reward_model,
+    score_every_prefix,
+    soft_embeddings,
+)
 
 __all__ = [
     "DTYPES",
@@ -64,6 +70,8 @@ __all__ = [
     "meta_config",
     "resolve_dtype",
     "resolve_source",
+    "score_every_prefix",
+    "soft_embeddings",
     "trunk",
     "trunk_hidden",
 ]

@@ -213,16 +213,44 @@ def forward_soft_embeds(
     C = completion_embeds.shape[1]
     if attention_mask.shape != (B, P + C):
         raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}; expected {(B, P + C)}")
+    hidden = _hidden_states(model, input_ids, completion_embeds, attention_mask.long())  # [B, P + C, H]
+    positions = torch.arange(P + C, device=attention_mask.device)  # [P + C]
+    last = (positions * attention_mask.long()).argmax(-1)  # [B] rightmost position whose mask is 1
+    pooled = hidden[torch.arange(B, device=hidden.device), last]  # [B, H]
+    return _score(model, pooled)  # [B]
+
+
+def score_every_prefix(
+    model, input_ids: torch.Tensor, completion_embeds: torch.Tensor, prompt_mask: torch.Tensor
+) -> torch.Tensor:
+    """``[B, C]``: the score of the prompt plus the first ``t + 1`` completion tokens, for every ``t``, in one pass.
+
+    The reward model is causal, so the hidden state at completion position ``t`` sees exactly the prefix
+    up to ``t``: column ``t`` equals :func:`forward_soft_embeds` with the attention mask ending at ``t``.
+    GumbelTopK reads the score where a completion stops from this table, which makes the stop itself
+    differentiable (see ``GumbelTopK.score``).
+    """
+    B, P = input_ids.shape
+    C = completion_embeds.shape[1]
+    if prompt_mask.shape != (B, P):
+        raise ValueError(f"prompt_mask has shape {tuple(prompt_mask.shape)}; expected {(B, P)}")
+    ones = torch.ones(B, C, dtype=torch.long, device=prompt_mask.device)  # [B, C]
+    hidden = _hidden_states(model, input_ids, completion_embeds, torch.cat([prompt_mask.long(), ones], 1))
+    return _score(model, hidden[:, P:])  # [B, C]
+
+
+def _hidden_states(model, input_ids: torch.Tensor, completion_embeds: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``[B, P + C, H]``: the trunk's last hidden states over the prompt's embeddings and ``completion_embeds``."""
     prompt = model.get_input_embeddings()(input_ids)  # [B, P, H]
     inputs_embeds = torch.cat([prompt, completion_embeds.to(prompt.dtype)], dim=1)  # [B, P + C, H]
-    mask = attention_mask.long()  # [B, P + C]
     position_ids = (mask.cumsum(-1) - 1).clamp_min(0)  # [B, P + C] as in left-padded generation
     out = trunk(model)(inputs_embeds=inputs_embeds, attention_mask=mask, position_ids=position_ids, use_cache=False)
-    hidden = out[0]  # [B, P + C, H]
-    positions = torch.arange(P + C, device=mask.device)  # [P + C]
-    last = (positions * mask).argmax(-1)  # [B] rightmost position whose mask is 1
-    pooled = hidden[torch.arange(B, device=hidden.device), last]  # [B, H]
-    score = classification_head(model)(pooled)[:, 0]  # [B]
+    return out[0]
+
+
+def _score(model, hidden: torch.Tensor) -> torch.Tensor:
+    """The classification head's single score for each hidden state ``[..., H] -> [...]``, at least float32."""
+    score = classification_head(model)(hidden)[..., 0]
     return score.to(torch.promote_types(score.dtype, torch.float32))  # float32 (float64 kept)
 
 
