@@ -20,14 +20,12 @@ What a step *does* lives in the subclasses: each declares its phase names and im
 from __future__ import annotations
 
 import copy
-import random
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, ClassVar
 
 import lightning as L
-import numpy as np
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
@@ -35,6 +33,7 @@ from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from lit_rl.data.rewards import resolve_reward_fn, score
 from lit_rl.memory.phases import BACKWARD, OPTIMIZER, PhaseTracker
 from lit_rl.methods.evaluation import EvalSettings, HeldOutEvaluation
+from lit_rl.methods.rng import rng_states, set_rng_states
 from lit_rl.models import LoraSettings, load_causal_lm, load_tokenizer
 
 
@@ -257,12 +256,24 @@ class RLMethod(HeldOutEvaluation, L.LightningModule):
         if self._trainer is None:  # a step run without a Trainer (the estimator) logs nothing
             self.phases.pop_times()
             return
-        self.log_dict(metrics, on_step=True, prog_bar=False, batch_size=batch_size)
-        if "reward/mean" in metrics:
-            self.log("reward", metrics["reward/mean"], prog_bar=True, logger=False, batch_size=batch_size)
         times = {f"time/{name}_s": seconds for name, seconds in self.phases.pop_times().items()}
-        if times:
-            self.log_dict(times, on_step=True, batch_size=batch_size)
+        logged = self.mean_over_processes({**metrics, **times})
+        self.log_dict(logged, on_step=True, prog_bar=False, batch_size=batch_size)
+        if "reward/mean" in logged:
+            self.log("reward", logged["reward/mean"], prog_bar=True, logger=False, batch_size=batch_size)
+
+    def mean_over_processes(self, metrics: dict[str, float]) -> dict[str, float]:
+        """Each metric's mean over processes (DDP), in one all-reduce; the metrics themselves in one process.
+
+        Every process logs the same keys in a step (the same method and settings), so the values line up;
+        ``self.last_metrics`` keeps this process's own values.
+        """
+        if self.world_size == 1 or not metrics:
+            return metrics
+        keys = sorted(metrics)
+        values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=self.device)  # [M]
+        means = (self.reduce_sum(values) / self.world_size).tolist()
+        return dict(zip(keys, means))
 
     def micro_batches(self, n: int) -> list[slice]:
         """Slices of ``n`` sequences of at most ``micro_batch_size`` each."""
@@ -433,7 +444,7 @@ class RLMethod(HeldOutEvaluation, L.LightningModule):
             "name_or_path": self.name_or_path,
             "nonfinite_in_a_row": self._nonfinite_in_a_row,
             "nonfinite_total": self._nonfinite_total,
-            "rng": self._rng_states(),
+            "rng": rng_states(self),
         }
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -446,37 +457,5 @@ class RLMethod(HeldOutEvaluation, L.LightningModule):
         # restored here, not at load: Lightning draws from the global generators between the load and the first
         # step (DataLoader seeds, sanity checks), which the uninterrupted run did not do at this point
         if self._pending_rng is not None:
-            self._set_rng_states(self._pending_rng)
+            set_rng_states(self, self._pending_rng)
             self._pending_rng = None
-
-    def _rng_states(self) -> dict[str, Any]:
-        """torch (per process under DDP), CUDA, numpy and Python generator states, as tensors and plain values."""
-        torch_state = torch.get_rng_state()  # [S] uint8
-        cuda_state = torch.cuda.get_rng_state() if self.device.type == "cuda" else None
-        if self.world_size > 1:  # every process samples its own completions: keep each one's stream
-            torch_state = self.all_gather(torch_state.to(self.device)).cpu()  # [W, S]
-            if cuda_state is not None:
-                cuda_state = self.all_gather(cuda_state.to(self.device)).cpu()  # [W, S']
-        kind, keys, pos, has_gauss, gauss = np.random.get_state()
-        return {
-            "world_size": self.world_size,
-            "torch": torch_state,
-            "cuda": cuda_state,
-            "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss],
-            "python": random.getstate(),
-        }
-
-    def _set_rng_states(self, state: dict[str, Any]) -> None:
-        rank = self.global_rank if self._trainer is not None else 0
-        per_process = int(state.get("world_size", 1)) > 1
-
-        def own(tensor: torch.Tensor) -> torch.Tensor:
-            return (tensor[rank % tensor.shape[0]] if per_process else tensor).to(torch.uint8).cpu()
-
-        torch.set_rng_state(own(state["torch"]))
-        if state.get("cuda") is not None and self.device.type == "cuda":
-            torch.cuda.set_rng_state(own(state["cuda"]))
-        kind, keys, pos, has_gauss, gauss = state["numpy"]
-        np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
-        version, internal, gauss_next = state["python"]
-        random.setstate((version, tuple(internal), gauss_next))
