@@ -399,9 +399,11 @@ def _print_help() -> None:
     """LightningCLI's help, then the subcommands lit-rl adds (jsonargparse lists only the Trainer's)."""
     import contextlib
     import io
+    import warnings
 
     buffer = io.StringIO()
-    with contextlib.redirect_stdout(buffer), contextlib.suppress(SystemExit):
+    with contextlib.redirect_stdout(buffer), contextlib.suppress(SystemExit), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*args parameter is intended")  # args given on purpose here
         LitRLCLI(args=["--help"])
     print(buffer.getvalue().rstrip())
     print("\nmore subcommands (each takes --help):")
