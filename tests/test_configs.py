@@ -22,6 +22,7 @@ def _tiny_overrides(config: Path, tmp_path: Path) -> list[str]:
         "--model.init_args.dtype", "float32",
         "--model.init_args.max_new_tokens", "4",
         "--trainer.accelerator", "cpu", "--trainer.precision", "32-true", "--trainer.max_steps", "1",
+        "--trainer.devices", "1", "--trainer.strategy", "auto",  # the multi-GPU configs, as one CPU process
         "--trainer.enable_progress_bar", "false",
         *([] if "ModelCheckpoint" in text else ["--trainer.enable_checkpointing", "false"]),
         "--trainer.default_root_dir", str(tmp_path),  # moves logs, config and checkpoints
