@@ -49,7 +49,8 @@ def test_embed_writes_the_cache_that_training_reuses_and_refuses_when_stale(tmp_
 
     cache = tmp_path / "emb"
     data = ["--data.init_args.sampler", "density", "--data.init_args.density_cache_dir", str(cache),
-            "--data.init_args.density_k", "3", "--data.init_args.num_prompts", "24"]  # fmt: skip
+            "--data.init_args.density_k", "3", "--data.init_args.num_prompts", "24",
+            "--data.init_args.val_size", "0"]  # every prompt trains: the cache holds all 24  # fmt: skip
     main(["embed", "--config", str(ROOT / "configs/grpo_tiny.yaml"), *data])
     meta = json.loads((cache / "embeddings.json").read_text())
     assert meta["count"] == 24 and meta["pooling"] == "hidden" and (cache / "embeddings.npy").exists()
@@ -59,7 +60,7 @@ def test_embed_writes_the_cache_that_training_reuses_and_refuses_when_stale(tmp_
 
     monkeypatch.setattr(density, "embed_prompts", no_embedding)
     fit = ["fit", "--config", str(ROOT / "configs/grpo_tiny.yaml"), *data, "--trainer.max_steps", "1",
-           "--trainer.logger.init_args.save_dir", str(tmp_path), "--trainer.enable_progress_bar", "false"]  # fmt: skip
+           "--trainer.default_root_dir", str(tmp_path), "--trainer.enable_progress_bar", "false"]  # fmt: skip
     cli = LitRLCLI(args=fit)
     assert cli.trainer.global_step == 1 and cli.datamodule.density_weights.shape == (24,)
     with pytest.raises(ValueError, match="lit-rl embed"):  # other prompts, same cache: stale, and says how to fix
@@ -78,7 +79,7 @@ def test_embed_rebuilds_a_stale_cache_and_fit_names_the_exact_rebuild_command(tm
     monkeypatch.setattr(logging.getLogger("lightning.pytorch"), "propagate", True)
     cache, config = tmp_path / "emb", str(ROOT / "configs/grpo_tiny.yaml")
     data = ["--data.init_args.sampler", "density", "--data.init_args.density_cache_dir", str(cache),
-            "--data.init_args.density_k", "3"]  # fmt: skip
+            "--data.init_args.density_k", "3", "--data.init_args.val_size", "0"]  # fmt: skip
     main(["embed", "--config", config, *data, "--data.init_args.num_prompts", "24"])
 
     # other prompts: `lit-rl embed` replaces the stale cache and says why, in one line
@@ -96,7 +97,7 @@ def test_embed_rebuilds_a_stale_cache_and_fit_names_the_exact_rebuild_command(tm
 
     monkeypatch.setattr(density, "embed_prompts", no_embedding)
     fit = ["fit", "--config", config, *data, "--data.init_args.num_prompts", "32", "--trainer.max_steps", "1",
-           "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"), "--trainer.enable_progress_bar", "false"]  # fmt: skip
+           "--trainer.default_root_dir", str(tmp_path / "runs"), "--trainer.enable_progress_bar", "false"]  # fmt: skip
     main(fit)
     assert list((tmp_path / "runs").rglob("events.out.tfevents.*")), "the fit run trained and logged"
 
