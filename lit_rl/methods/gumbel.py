@@ -266,11 +266,17 @@ class GumbelTopK(RLMethod):
             return rollout.weights.to(embedding.weight.dtype) @ embedding.weight
         return soft_embeddings(embedding, rollout.indices, rollout.weights)
 
+    def eos_tensor(self, vocab: int, device: torch.device) -> torch.Tensor:
+        """The EOS ids inside the vocabulary, as a long tensor: an id past it (how the benchmarks switch EOS
+        off) can never be sampled, so it neither stops a rollout nor needs masking."""
+        return torch.tensor([i for i in self.eos_ids() if 0 <= i < vocab], dtype=torch.long, device=device)
+
     def stop_weights(self, rollout: SoftRollout) -> torch.Tensor:
         """``[b, C']``: each soft token's weight on the end-of-sequence ids (0 or 1 forward with hard tokens)."""
-        eos = torch.tensor(self.eos_ids(), device=rollout.weights.device)
         if self.hparams.gumbel_topk == 0:
-            return rollout.weights[..., eos].sum(-1)
+            vocab = rollout.weights.shape[-1]
+            return rollout.weights[..., self.eos_tensor(vocab, rollout.weights.device)].sum(-1)
+        eos = torch.tensor(self.eos_ids(), dtype=torch.long, device=rollout.weights.device)
         return (rollout.weights * torch.isin(rollout.indices, eos)).sum(-1)
 
     # ------------------------------------------------------------------ the differentiable rollout
@@ -280,7 +286,7 @@ class GumbelTopK(RLMethod):
         b, c = prompt_ids.shape[0], hp.max_new_tokens
         first_grad = 0 if hp.bptt_window is None else max(c - hp.bptt_window, 0)
         positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)  # [b, P]
-        eos = torch.tensor(self.eos_ids(), device=prompt_ids.device)
+        eos = self.eos_tensor(head_spec(self.policy).weight.shape[0], prompt_ids.device)
         policy = _PolicyStepper(self, prompt_ids, prompt_mask, positions, grad=first_grad == 0)
         reference = _ReferenceStepper(self, prompt_ids, prompt_mask, positions) if hp.beta > 0 else None
         head = head_spec(self.policy)
