@@ -71,14 +71,19 @@ def grouped_mm_result(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
     return torch.empty(shape, dtype=out_dtype or mat_a.dtype, device=mat_a.device)
 
 
+class UnpredictableStep(NotImplementedError):
+    """A step that cannot run on fake tensors, said in one line by :func:`unpredictable`."""
+
+
 @contextlib.contextmanager
 def fake_mode() -> Iterator[Any]:
     """``FakeTensorMode`` (non-fake inputs allowed: a meta-device model is materialised with ``to_empty``) with
     constant value reads on top.
 
     Raises:
-        NotImplementedError: one line saying what could not run on fake tensors and where (the model file names
-            the architecture), for any failure other than a ``ValueError`` (a setting's own message).
+        UnpredictableStep: one line saying what could not run on fake tensors and where (the model file names
+            the architecture), for any failure other than a ``ValueError`` (a setting's own message); a
+            ``NotImplementedError`` from torch (an op without a fake kernel) is such a failure too.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
@@ -87,10 +92,10 @@ def fake_mode() -> Iterator[Any]:
     try:
         with mode, _ConstantReads():
             yield mode
-    except (ValueError, NotImplementedError):
+    except (ValueError, UnpredictableStep):
         raise
     except Exception as err:  # an architecture whose step cannot run without values: say so, not a traceback
-        raise NotImplementedError(unpredictable(err)) from err
+        raise UnpredictableStep(unpredictable(err)) from err
 
 
 def unpredictable(err: BaseException) -> str:
