@@ -59,6 +59,7 @@ class SoftRollout:
     mask: torch.Tensor  # [b, C] 1 up to and including the first EOS
     kl: torch.Tensor  # [b, C] per-token KL(policy || reference), 0 where masked or without reference
     topk_mass: torch.Tensor  # [b, C] probability mass the kept tokens have under the policy (detached)
+    stop: torch.Tensor  # [b, C] each soft token's weight on the EOS ids (0 or 1 forward with hard tokens)
 
 
 class GumbelTopK(RLMethod):
@@ -204,9 +205,10 @@ class GumbelTopK(RLMethod):
             with self.phases("generate"):
                 rollout = self.soft_rollout(prompt_ids[sl], prompt_mask[sl], tau)
             with self.phases("reward"):
-                reward = self.score(prompt_ids[sl], prompt_mask[sl], rollout)  # [b]
-                alive = survival(self.stop_weights(rollout))[:, :-1] if hp.differentiable_stop else 1.0  # [b, C']
-                kl = (rollout.kl * alive).sum(1)  # [b] sequence KL; with alive, stopping earlier saves the rest
+                alive = survival(rollout.stop) if hp.differentiable_stop else None  # [b, C' + 1]
+                reward = self.score(prompt_ids[sl], prompt_mask[sl], rollout, alive)  # [b]
+                # [b] sequence KL; weighted by alive, stopping earlier also saves the KL of the rest
+                kl = rollout.kl.sum(1) if alive is None else (rollout.kl * alive[:, :-1]).sum(1)
                 loss = (hp.beta * kl - reward).sum() / n
             parts.append((reward.detach(), rollout))
             return loss, {}
@@ -238,7 +240,13 @@ class GumbelTopK(RLMethod):
         metrics.update(self.metric_scores(self.decode(tokens, lengths), batch, g))
         return metrics, n
 
-    def score(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, rollout: SoftRollout) -> torch.Tensor:
+    def score(
+        self,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        rollout: SoftRollout,
+        alive: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """The reward model's score ``[b]`` of the prompt (hard tokens) and the soft completion, read where it stops.
 
         With ``differentiable_stop`` the reward model scores every prefix in one causal pass (``s_t``, the
@@ -248,16 +256,16 @@ class GumbelTopK(RLMethod):
         exactly 0 or 1 in the forward, so the value is the score at the first EOS (or at the last token), the
         same as reading that position alone; the backward adds ``d reward / d e_t = alive_t * (s_t - what
         continuing scores)``: the policy learns to stop where stopping scores better, which the attention
-        mask of a hard cut cannot tell it.
+        mask of a hard cut cannot tell it. ``alive`` is ``survival(rollout.stop)`` when the caller has it.
         """
         embeds = self.reward_embeddings(rollout)  # [b, C', H]
         if not self.hparams.differentiable_stop:
             attention_mask = torch.cat([prompt_mask, rollout.mask.to(prompt_mask.dtype)], dim=1)  # [b, P + C']
             return forward_soft_embeds(self.reward_model, prompt_ids, embeds, attention_mask)
         prefix_scores = score_every_prefix(self.reward_model, prompt_ids, embeds, prompt_mask)  # [b, C']
-        stop = self.stop_weights(rollout).to(prefix_scores.dtype)  # [b, C']
-        alive = survival(stop)  # [b, C' + 1]
-        return (alive[:, :-1] * stop * prefix_scores).sum(1) + alive[:, -1] * prefix_scores[:, -1]  # [b]
+        alive = (survival(rollout.stop) if alive is None else alive).to(prefix_scores.dtype)  # [b, C' + 1]
+        stopped_at = alive[:, :-1] - alive[:, 1:]  # [b, C'] alive_t * e_t: the weight of stopping at t
+        return (stopped_at * prefix_scores).sum(1) + alive[:, -1] * prefix_scores[:, -1]  # [b]
 
     def reward_embeddings(self, rollout: SoftRollout) -> torch.Tensor:
         """``[b, C', H]``: the completion's input embeddings in the reward model (k rows per token, or dense)."""
@@ -271,14 +279,6 @@ class GumbelTopK(RLMethod):
         off) can never be sampled, so it neither stops a rollout nor needs masking."""
         return torch.tensor([i for i in self.eos_ids() if 0 <= i < vocab], dtype=torch.long, device=device)
 
-    def stop_weights(self, rollout: SoftRollout) -> torch.Tensor:
-        """``[b, C']``: each soft token's weight on the end-of-sequence ids (0 or 1 forward with hard tokens)."""
-        if self.hparams.gumbel_topk == 0:
-            vocab = rollout.weights.shape[-1]
-            return rollout.weights[..., self.eos_tensor(vocab, rollout.weights.device)].sum(-1)
-        eos = torch.tensor(self.eos_ids(), dtype=torch.long, device=rollout.weights.device)
-        return (rollout.weights * torch.isin(rollout.indices, eos)).sum(-1)
-
     # ------------------------------------------------------------------ the differentiable rollout
     def soft_rollout(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, tau: float) -> SoftRollout:
         """Generate ``max_new_tokens`` soft tokens with gradients, the reference advancing beside the policy."""
@@ -286,10 +286,10 @@ class GumbelTopK(RLMethod):
         b, c = prompt_ids.shape[0], hp.max_new_tokens
         first_grad = 0 if hp.bptt_window is None else max(c - hp.bptt_window, 0)
         positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)  # [b, P]
-        eos = self.eos_tensor(head_spec(self.policy).weight.shape[0], prompt_ids.device)
+        head = head_spec(self.policy)
+        eos = self.eos_tensor(head.weight.shape[0], prompt_ids.device)
         policy = _PolicyStepper(self, prompt_ids, prompt_mask, positions, grad=first_grad == 0)
         reference = _ReferenceStepper(self, prompt_ids, prompt_mask, positions) if hp.beta > 0 else None
-        head = head_spec(self.policy)
         weights, indices, tokens, masks, kls, masses, ref_logits = [], [], [], [], [], [], []
         alive = torch.ones(b, dtype=torch.bool, device=prompt_ids.device)  # [b] no EOS emitted yet
         hidden = policy.hidden  # [b, H] predicts the first completion token
@@ -335,13 +335,17 @@ class GumbelTopK(RLMethod):
             kl = torch.stack(kls, 1)  # [b, C']
         else:
             kl = _dense_kl(torch.stack(kls, 1), torch.stack(ref_logits, 1)) * mask  # [b, C']
+        weights = torch.stack(weights, 1)  # [b, C', k]
+        indices = torch.stack(indices, 1) if indices else None  # [b, C', k]; None on the legacy path
+        stop = weights[..., eos].sum(-1) if indices is None else (weights * torch.isin(indices, eos)).sum(-1)
         return SoftRollout(
-            weights=torch.stack(weights, 1),  # [b, C', k]
-            indices=torch.stack(indices, 1) if indices else None,  # [b, C', k]; None on the legacy path
+            weights=weights,
+            indices=indices,
             tokens=torch.stack(tokens, 1),  # [b, C']
             mask=mask,
             kl=kl,
             topk_mass=torch.stack(masses, 1),  # [b, C']
+            stop=stop,  # [b, C']
         )
 
     def soft_embedding(self, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
