@@ -100,6 +100,24 @@ def test_real_generation_mask_is_prefix_up_to_eos():
         assert n == len(row) or row[n - 1] == eos
 
 
+def test_min_new_tokens_forces_full_length_completions():
+    lengths = {}
+    for minimum in (0, 7):
+        method = _ready(_method(max_new_tokens=7, min_new_tokens=minimum))
+        eos = method.tokenizer.eos_token_id
+
+        def favour_eos(module, args, logits):  # EOS is by far the likeliest token everywhere
+            logits[..., eos] += 30.0
+            return logits
+
+        method.policy.lm_head.register_forward_hook(favour_eos)
+        ids = torch.randint(3, 90, (2, 5))
+        seqs, cmask = method.generate(ids, torch.ones_like(ids))
+        lengths[minimum] = cmask.sum(1).tolist()
+    assert lengths[0] == [1.0] * 8  # without the constraint every completion is EOS alone
+    assert lengths[7] == [7.0] * 8 and eos not in seqs[:, 5:].tolist()
+
+
 def test_lora_disabled_reference_is_exactly_the_base_model():
     method = _ready(_method(lora=LoraSettings(r=4, alpha=8, target_modules=["q_proj", "v_proj"])))
     with torch.no_grad():  # peft starts B at zero; make the adapters matter
@@ -200,6 +218,7 @@ def test_reference_pass_runs_once_per_rollout_batch_or_never(beta, iterations, r
         (dict(epsilon_low=0.3, epsilon_high=0.2), r"epsilon_high: 0.2 < model.epsilon_low \(0.3\)"),
         (dict(reward_funcs=["no.such.fn"]), r"reward_funcs\[0\]: cannot import 'no.such.fn'"),
         (dict(reward_weights=[1.0, 2.0]), "reward_weights: has 2 entries for 1 reward_funcs"),
+        (dict(max_new_tokens=4, min_new_tokens=5), r"min_new_tokens: must be in \[0, max_new_tokens=4\]"),
     ],
 )
 def test_bad_settings_fail_at_construction(kw, message):

@@ -69,6 +69,9 @@ class RefCachedGRPO(RLMethod):
         reward_weights: one weight per reward function (default: all 1).
         num_generations: completions per prompt (the group); at least 2.
         max_new_tokens: generation limit ``C``. Memory: the KV cache and the update's activations grow with it.
+        min_new_tokens: EOS is not sampled before this many tokens (0: no constraint). The log-probs stay those
+            of the unconstrained policy, so above 0 the update is slightly off-policy; meant for benchmarks that
+            force every completion to full length so that two frameworks do equal work.
         temperature: sampling temperature; the log-probs are computed at the same temperature.
         top_p: nucleus sampling; 1.0 samples from the full distribution (what the ratio assumes).
         beta: KL coefficient. ``beta = 0`` skips the reference pass entirely (no reference memory or time).
@@ -97,6 +100,7 @@ class RefCachedGRPO(RLMethod):
         reward_weights: list[float] | None = None,
         num_generations: int = 4,
         max_new_tokens: int = 32,
+        min_new_tokens: int = 0,
         temperature: float = 1.0,
         top_p: float = 1.0,
         beta: float = 0.04,
@@ -152,6 +156,11 @@ class RefCachedGRPO(RLMethod):
         for name in ("num_iterations", "max_new_tokens"):
             if hp[name] < 1:
                 raise ValueError(f"model.{name}: must be >= 1, got {hp[name]}; set it to 1 or more")
+        if not 0 <= hp.min_new_tokens <= hp.max_new_tokens:
+            raise ValueError(
+                f"model.min_new_tokens: must be in [0, max_new_tokens={hp.max_new_tokens}], got {hp.min_new_tokens}; "
+                "use 0 for no constraint"
+            )
         if not 0 < hp.top_p <= 1:
             raise ValueError(f"model.top_p: must be in (0, 1], got {hp.top_p}; use 1.0 to sample the full distribution")
         if hp.temperature <= 0:
@@ -173,6 +182,7 @@ class RefCachedGRPO(RLMethod):
         sequences = sample_completions(
             self.policy, input_ids, attention_mask, self.tokenizer.pad_token_id, eos,
             do_sample=True, temperature=hp.temperature, top_p=hp.top_p, top_k=0, max_new_tokens=hp.max_new_tokens,
+            min_new_tokens=hp.min_new_tokens,
         )  # [B*G, P + C]  # fmt: skip
         completion = sequences[:, input_ids.shape[1] :]  # [B*G, C]
         is_eos = torch.isin(completion, torch.tensor(eos, device=completion.device))  # [B*G, C]
