@@ -155,8 +155,9 @@ def test_tactics_each_change_what_they_claim():
 
 
 def test_padded_prompts_build_the_attention_mask():
-    unpadded = estimate_step(_method(), batch_size=2, prompt_length=32, padded=False)
-    padded = estimate_step(_method(), batch_size=2, prompt_length=32, padded=True)
+    # the plain path: transformers builds the mask of a padded batch (the shared-prompt path builds its own, always)
+    unpadded = estimate_step(_method(share_prompt=False), batch_size=2, prompt_length=32, padded=False)
+    padded = estimate_step(_method(share_prompt=False), batch_size=2, prompt_length=32, padded=True)
     assert padded.phases["policy_forward"] > unpadded.phases["policy_forward"]
     assert "attention mask (padded prompts)" in [c.name for c in padded.components]
 

@@ -106,7 +106,7 @@ def test_min_new_tokens_forces_full_length_completions():
         method = _ready(_method(max_new_tokens=7, min_new_tokens=minimum))
         eos = method.tokenizer.eos_token_id
 
-        def favour_eos(module, args, logits):  # EOS is by far the likeliest token everywhere
+        def favour_eos(module, args, logits, eos=eos):  # EOS is by far the likeliest token everywhere
             logits[..., eos] += 30.0
             return logits
 
@@ -125,10 +125,12 @@ def test_lora_disabled_reference_is_exactly_the_base_model():
             if "lora_B" in name:
                 p.normal_()
     base = _ready(_method()).policy  # the same seed builds the same base weights
-    ids = torch.randint(3, 90, (2, 8))
+    ids = torch.randint(3, 90, (4, 8))
+    ids[1::2, :5] = ids[::2, :5]  # two groups of two completions (num_generations 2)
     mask = torch.ones_like(ids)
-    rollout = Rollout(ids, mask, torch.ones(2, 3), 5, torch.zeros(2), torch.zeros(2))
-    ref = method.reference_logp(rollout)
+    rollout = Rollout(ids, mask, torch.ones(4, 3), 5, torch.zeros(4), torch.zeros(4))
+    method.hparams.num_generations = 2
+    ref = method.reference_logp(rollout)  # shares each group's prompt
     expected = method.completion_stats(base.eval(), ids, mask, 5, temperature=1.0).logp
     assert torch.equal(ref, expected)
     adapted = method.completion_stats(method.policy, ids, mask, 5, temperature=1.0).logp

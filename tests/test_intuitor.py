@@ -46,8 +46,9 @@ def test_self_certainty_reward_matches_full_logits_reference(temperature):
     )
     torch.manual_seed(0)
     ids = torch.randint(3, 90, (4, 10))
+    ids[1::2, :6] = ids[::2, :6]  # two groups of two completions, each sharing its prompt
     mask = torch.ones_like(ids)
-    mask[0, :2] = 0  # left-padded prompt
+    mask[:2, :2] = 0  # the first group's prompt is left-padded
     completion_mask = torch.tensor([[1.0, 1, 1, 0], [1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 0, 0]])
     rollout = Rollout(ids, mask, completion_mask, 6, torch.full((4,), 0.5), torch.zeros(4))
     metrics = method.score_rollout(rollout)
@@ -59,6 +60,7 @@ def test_self_certainty_reward_matches_full_logits_reference(temperature):
 def test_old_log_probs_come_from_the_same_pass():
     method = _method(num_iterations=2, beta=0.0)
     ids = torch.randint(3, 90, (2, 8))
+    ids[1, :5] = ids[0, :5]  # one group: two completions of one prompt
     rollout = Rollout(ids, torch.ones_like(ids), torch.ones(2, 3), 5, torch.zeros(2), torch.zeros(2))
     method.score_rollout(rollout)
     expected = method.completion_stats(method.policy, ids, torch.ones_like(ids), 5, temperature=1.0).logp

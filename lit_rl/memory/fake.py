@@ -186,11 +186,14 @@ def fake_generate(policy, record: GenerateRecord, *, padded: bool, full_decode: 
         position_ids = attention_mask.long().cumsum(-1) - 1  # [B, P]
         position_ids = position_ids.masked_fill(attention_mask == 0, 0)
         mask = attention_mask if padded else None
-        cache = DynamicCache(config=base_model(policy).config)
+        cache = kwargs.get("past_key_values")  # a shared prefill: only the uncached prompt tokens run
+        if cache is None:
+            cache = DynamicCache(config=base_model(policy).config)
+        cached = cache.get_seq_length()
         unfinished = torch.ones(input_ids.shape[0], dtype=torch.long)  # [B]
         eos = torch.tensor([0])
         sequences = input_ids
-        step_ids, step_positions = input_ids, position_ids
+        step_ids, step_positions = input_ids[:, cached:], position_ids[:, cached:]
         steps = list(range(max_new)) if full_decode or max_new <= 3 else [0, 1, max_new - 1]
         for i, step in enumerate(steps):
             skipped = step - steps[i - 1] - 1 if i else 0
@@ -203,6 +206,7 @@ def fake_generate(policy, record: GenerateRecord, *, padded: bool, full_decode: 
                     # keys and values may have different head sizes (MLA: MiniCPM3, DeepSeek-V3)
                     new_keys = keys.new_zeros((b, keys.shape[1], skipped, keys.shape[3]))
                     new_values = values.new_zeros((b, values.shape[1], skipped, values.shape[3]))
+                    del keys, values  # the layer's old tensors die in update(), as a real decode step's do
                     cache.update(new_keys, new_values, layer_idx)
                     del new_keys, new_values
                 grown = position_ids[:, -1:] + torch.arange(1, skipped + 1)  # [B, skipped]

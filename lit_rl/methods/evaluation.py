@@ -23,6 +23,8 @@ from lightning.pytorch.utilities import rank_zero_info
 from torchmetrics import MeanMetric
 from transformers import GenerationConfig
 
+from lit_rl.models.shared_prompt import shared_prefill
+
 
 @dataclass
 class EvalSettings:
@@ -82,17 +84,35 @@ def pass_ks(n: int) -> list[int]:
 
 @torch.no_grad()
 def sample_completions(
-    policy, input_ids: torch.Tensor, attention_mask: torch.Tensor, pad_id: int, eos: list[int], **config: Any
+    policy,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    pad_id: int,
+    eos: list[int],
+    *,
+    repeats: int = 1,
+    share_prompt: bool = False,
+    **config: Any,
 ) -> torch.Tensor:
-    """``policy.generate`` in eval mode with a fresh ``GenerationConfig(**config)``: ``[B, P + C]`` sequences.
+    """``policy.generate`` in eval mode with a fresh ``GenerationConfig(**config)``: ``[B * repeats, P + C]`` sequences.
 
-    A fresh config because checkpoint defaults (``top_k=50``, repetition penalties) would bias the samples.
+    A fresh config because checkpoint defaults (``top_k=50``, repetition penalties) would bias the samples. Each
+    prompt is sampled ``repeats`` times (rows ``i * repeats ...`` continue prompt ``i``); with ``share_prompt`` the
+    prompts' KV cache is computed once and repeated (:func:`lit_rl.models.shared_prompt.shared_prefill`), which
+    draws the same samples as repeating the prompts up to floating-point order.
     """
     config = GenerationConfig(pad_token_id=pad_id, eos_token_id=eos, use_cache=True, **config)
     was_training = policy.training
     policy.eval()
     try:
-        return policy.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
+        cache = None
+        if share_prompt and repeats > 1 and input_ids.shape[1] > 1:
+            cache = shared_prefill(policy, input_ids, attention_mask, repeats)
+        input_ids = input_ids.repeat_interleave(repeats, dim=0)  # [B * repeats, P]
+        attention_mask = attention_mask.repeat_interleave(repeats, dim=0)
+        return policy.generate(
+            input_ids=input_ids, attention_mask=attention_mask, generation_config=config, past_key_values=cache
+        )
     finally:
         policy.train(was_training)
 
@@ -157,16 +177,15 @@ class HeldOutEvaluation:
         """``num_samples`` completions per prompt: ``(completion ids [B*n, C], lengths [B*n])`` up to the first EOS."""
         s = self.evaluation_settings
         n = s.num_samples
-        input_ids = input_ids.repeat_interleave(n, dim=0)  # [B*n, P]
-        attention_mask = attention_mask.repeat_interleave(n, dim=0)  # [B*n, P]
         eos = self.eos_ids()
         sample = s.temperature > 0
         config = dict(do_sample=sample, max_new_tokens=s.max_new_tokens or int(self.hparams.get("max_new_tokens", 32)))
         if sample:
             config.update(temperature=s.temperature, top_p=s.top_p, top_k=0)
         sequences = sample_completions(
-            self.policy, input_ids, attention_mask, self.tokenizer.pad_token_id, eos, **config
-        )
+            self.policy, input_ids, attention_mask, self.tokenizer.pad_token_id, eos,
+            repeats=n, share_prompt=getattr(self, "share_prompt", False), **config,
+        )  # [B*n, P + C]  # fmt: skip
         completion = sequences[:, input_ids.shape[1] :]  # [B*n, C]
         is_eos = torch.isin(completion, torch.tensor(eos, device=completion.device))  # [B*n, C]
         ended = is_eos.any(1)  # [B*n]

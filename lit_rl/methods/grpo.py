@@ -11,6 +11,9 @@ DAPO (see :mod:`lit_rl.losses`). How it differs from a textbook implementation, 
   the LM-head weight through :func:`lit_rl.ops.token_stats`, in chunks.
 - The policy update is micro-batched (``micro_batch_size`` completions per forward) with gradient
   accumulation inside the step, so the activation peak is set by the micro-batch, not the rollout.
+- Every pass after the rollout runs each group's prompt once (``share_prompt``, see
+  :mod:`lit_rl.models.shared_prompt`): a micro-batch of ``b`` completions of ``u`` prompts pushes
+  ``u * P + b * C`` tokens through the model instead of ``b * (P + C)``, exactly.
 """
 
 from __future__ import annotations
@@ -19,12 +22,14 @@ from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Literal
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lit_rl.losses import LOSS_TYPES, SCALE_REWARDS, frac_zero_std, group_advantages, grpo_loss, masked_mean
 from lit_rl.memory.phases import BACKWARD, OPTIMIZER
 from lit_rl.methods.base import RLMethod
 from lit_rl.methods.evaluation import sample_completions
 from lit_rl.models import head_spec, trunk_hidden
+from lit_rl.models.shared_prompt import group_runs, shared_prompt_hidden, shared_prompt_unsupported
 from lit_rl.ops import TokenStats, token_stats
 from lit_rl.ops.token_math import LOGITS_BUDGET_BYTES, plan_chunks
 
@@ -82,6 +87,10 @@ class RefCachedGRPO(RLMethod):
         num_iterations: optimizer steps per rollout batch; above 1 the old log-probs are cached too.
         mask_truncated_completions: completions that hit ``max_new_tokens`` without EOS get no gradient.
         chunk_size: tokens per logits chunk in the token math; ``null`` picks it from a 64 MiB budget.
+        share_prompt: run each group's prompt once in the reference, old-log-prob, self-certainty and update passes,
+            its completions attending to it (exact: equal log-probs and gradients up to floating-point order). Time
+            and saved activations of those passes scale with ``u * P + b * C`` tokens instead of ``b * (P + C)``.
+            Turned off with a one-line message for a model on which it is not exact (checked at load).
         **kwargs: model, optimizer, micro-batch and metric settings, see :class:`~lit_rl.methods.base.RLMethod`.
 
     Raises:
@@ -111,6 +120,7 @@ class RefCachedGRPO(RLMethod):
         num_iterations: int = 1,
         mask_truncated_completions: bool = False,
         chunk_size: int | None = None,
+        share_prompt: bool = True,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -124,6 +134,7 @@ class RefCachedGRPO(RLMethod):
                 "reward function"
             )
         self.register_buffer("reward_weights", torch.tensor(weights, dtype=torch.float32), persistent=False)
+        self.share_prompt = share_prompt  # confirmed (or turned off) for the loaded model in configure_model
 
     @staticmethod
     def _default_rewards() -> list[str]:
@@ -132,6 +143,16 @@ class RefCachedGRPO(RLMethod):
     @property
     def needs_reference(self) -> bool:
         return self.hparams.beta > 0
+
+    def configure_model(self) -> None:
+        loaded = self.policy is not None
+        super().configure_model()
+        if loaded or not self.share_prompt:
+            return
+        reason = shared_prompt_unsupported(self.policy)
+        if reason is not None:
+            rank_zero_info(f"model.share_prompt: off for {self.name_or_path}, {reason}")
+            self.share_prompt = False
 
     def _check_settings(self) -> None:
         hp = self.hparams
@@ -176,13 +197,12 @@ class RefCachedGRPO(RLMethod):
             the first EOS.
         """
         hp = self.hparams
-        input_ids = input_ids.repeat_interleave(hp.num_generations, dim=0)  # [B*G, P]
-        attention_mask = attention_mask.repeat_interleave(hp.num_generations, dim=0)  # [B*G, P]
         eos = self.eos_ids()
         sequences = sample_completions(
             self.policy, input_ids, attention_mask, self.tokenizer.pad_token_id, eos,
-            do_sample=True, temperature=hp.temperature, top_p=hp.top_p, top_k=0, max_new_tokens=hp.max_new_tokens,
-            min_new_tokens=hp.min_new_tokens,
+            repeats=hp.num_generations, share_prompt=self.share_prompt,
+            do_sample=True, temperature=hp.temperature, top_p=hp.top_p, top_k=0,
+            max_new_tokens=hp.max_new_tokens, min_new_tokens=hp.min_new_tokens,
         )  # [B*G, P + C]  # fmt: skip
         completion = sequences[:, input_ids.shape[1] :]  # [B*G, C]
         is_eos = torch.isin(completion, torch.tensor(eos, device=completion.device))  # [B*G, C]
@@ -264,13 +284,19 @@ class RefCachedGRPO(RLMethod):
         entropy: bool = True,
         self_certainty: bool = False,
         chunk_size: int | None = None,
+        runs: list[int] | None = None,
     ) -> TokenStats:
         """Log-probs (and entropy / self-certainty) of the completion tokens, without ``[B, T, V]`` logits.
 
         ``input_ids`` is prompt + completion ``[B, P + C]``; the hidden state at position ``t`` predicts
-        token ``t + 1``, so positions ``P - 1 .. P + C - 2`` score the ``C`` completion tokens.
+        token ``t + 1``, so positions ``P - 1 .. P + C - 2`` score the ``C`` completion tokens. ``runs``: the
+        lengths of the consecutive runs of rows that share a prompt, whose prompt then runs once (``None``: every
+        row runs whole).
         """
-        hidden = trunk_hidden(model, input_ids, attention_mask)[:, prompt_length - 1 : -1]  # [B, C, H]
+        if runs is None:
+            hidden = trunk_hidden(model, input_ids, attention_mask)[:, prompt_length - 1 : -1]  # [B, C, H]
+        else:
+            hidden = shared_prompt_hidden(model, input_ids, attention_mask, prompt_length, runs)  # [B, C, H]
         targets = input_ids[:, prompt_length:]  # [B, C]
         head = head_spec(model)  # weight, bias, logit scale, softcap and pre-head transform of this architecture
         return token_stats(
@@ -342,6 +368,8 @@ class RefCachedGRPO(RLMethod):
         return torch.cat(logps), torch.cat(certainties) if self_certainty else None
 
     def _stats(self, model, rollout: Rollout, sl: slice, **kw) -> TokenStats:
+        # rollout rows are groups of num_generations consecutive completions of one prompt
+        runs = group_runs(sl.start, sl.stop, self.hparams.num_generations) if self.share_prompt else None
         return self.completion_stats(
             model,
             rollout.input_ids[sl],
@@ -349,6 +377,7 @@ class RefCachedGRPO(RLMethod):
             rollout.prompt_length,
             temperature=self.hparams.temperature,
             chunk_size=self.hparams.chunk_size,
+            runs=runs,
             **kw,
         )
 
