@@ -81,7 +81,7 @@ def component_table(method, run, record: GenerateRecord, config, settings: dict[
     rows.append(
         Component(
             f"saved activations ({run.saved_phase.replace('_', ' ') or 'none'})",
-            f"[{settings['micro_batch_size']}, {seq}] tokens x {layers} layers",
+            f"{layers} layers, micro-batch {settings['micro_batch_size']} x {seq}",
             run.saved_activations,
             note,
         )

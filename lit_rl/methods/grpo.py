@@ -328,6 +328,16 @@ class RefCachedGRPO(RLMethod):
         rows += [
             (f"{name} log-probs cache", f"[{b}, {c}] fp32", b * c * 4, "instead of [B, T, V] logits") for name in caches
         ]
+        if self.share_prompt:
+            u = max(len(group_runs(sl.start, sl.stop, self.hparams.num_generations)) for sl in self.micro_batches(b))
+            rows.append(
+                (
+                    "tokens per pass (shared prompt)",
+                    f"{u} x {s['prompt_length']} + {mb} x {c}",
+                    0,
+                    f"one packed row; {mb} x {seq} with share_prompt false",
+                )
+            )
         return rows + [
             ("logits chunk (token math)", f"[{tc}, {vc}] fp32", tc * vc * 4, "about two live at a time"),
             (
