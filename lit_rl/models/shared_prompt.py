@@ -150,11 +150,10 @@ def shared_prompt_attention(
     layout.calls += 1
     u, p, c = layout.groups, layout.prompt_length, layout.completion_length
     b = layout.group_of.shape[0]
-    groups = query.shape[1] // key.shape[1]
-    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)  # [1, Hq, N, D]
-    q, k, v = query[0], key[0], value[0]  # [Hq, N, D]
+    gqa = query.shape[1] != key.shape[1]  # grouped-query attention: sdpa repeats the key/value heads itself
+    q, k, v = query[0], key[0], value[0]  # [Hq, N, D], [Hkv, N, D]
 
-    def split(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [Hq, N, D] -> [u, Hq, P, D], [b, Hq, C, D]
+    def split(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [H, N, D] -> [u, H, P, D], [b, H, C, D]
         return t[:, : u * p].unflatten(1, (u, p)).transpose(0, 1), t[:, u * p :].unflatten(1, (b, c)).transpose(0, 1)
 
     (qp, qc), (kp, kc), (vp, vc) = split(q), split(k), split(v)
@@ -162,7 +161,9 @@ def shared_prompt_attention(
     causal_p = torch.ones(p, p, dtype=torch.bool, device=dev).tril()
     # pad queries (left padding) see themselves only, so no row is empty; real queries never see a pad key
     mask_p = (causal_p & layout.prompt_keys[:, None, None, :]) | torch.eye(p, dtype=torch.bool, device=dev)  # [u,1,P,P]
-    out_p = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask_p, dropout_p=dropout, scale=scaling)
+    out_p = F.scaled_dot_product_attention(
+        qp, kp, vp, attn_mask=mask_p, dropout_p=dropout, scale=scaling, enable_gqa=gqa
+    )  # [u, Hq, P, D]
     causal_c = torch.ones(c, c, dtype=torch.bool, device=dev).tril()
     keys_c = torch.cat(
         [
@@ -171,9 +172,11 @@ def shared_prompt_attention(
         ],
         dim=-1,
     )  # [b, 1, C, P + C]
-    kg = torch.cat([kp[layout.group_of], kc], dim=2)  # [b, Hq, P + C, D] the group's prompt keys, then its own
+    kg = torch.cat([kp[layout.group_of], kc], dim=2)  # [b, Hkv, P + C, D] the group's prompt keys, then its own
     vg = torch.cat([vp[layout.group_of], vc], dim=2)
-    out_c = F.scaled_dot_product_attention(qc, kg, vg, attn_mask=keys_c, dropout_p=dropout, scale=scaling)
+    out_c = F.scaled_dot_product_attention(
+        qc, kg, vg, attn_mask=keys_c, dropout_p=dropout, scale=scaling, enable_gqa=gqa
+    )  # [b, Hq, C, D]
     out = torch.cat([out_p.transpose(0, 1).flatten(1, 2), out_c.transpose(0, 1).flatten(1, 2)], dim=1)  # [Hq, N, D]
     return out.transpose(0, 1)[None].contiguous(), None  # [1, N, Hq, D]
 
