@@ -1,0 +1,219 @@
+"""lit-rl against TRL ``GRPOTrainer`` at equal work (part 1 of ``bench/run.py``).
+
+Each run is a fresh subprocess doing ``steps`` optimizer steps: lit-rl through its own CLI
+(``python -m lit_rl fit --config bench/grpo_vs_trl.yaml ...`` with ``step_timer.StepTimer`` added) and TRL through
+``bench/trl_child.py``. The two sides of a configuration run in turn, lit-rl then TRL, for ``rounds`` rounds
+(A B A B), so that a drift in the machine's load affects both. Per run: the peak RSS of the child (``ru_maxrss`` from
+``wait4``, the whole process lifetime: imports, model load and every step) and the median step time over the steps
+after the first (the first pays one-time costs: optimizer state, lazy initialisation). Per side: the median over
+rounds. Both children get the same environment, allocator settings included.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TARGETS = {"peak RSS": 0.5, "step time": 0.6}  # lit-rl / TRL at most this (issue 11)
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One configuration run by both sides."""
+
+    name: str
+    length: int  # completion tokens, forced
+    lora: bool
+    checkpointing: bool
+
+    def lit_rl_args(self) -> list[str]:
+        args = ["--config", "bench/grpo_vs_trl.yaml"]
+        if self.checkpointing:
+            args += ["--config", "callbacks/activation_checkpointing.yaml"]
+        args += [
+            "--model.init_args.max_new_tokens",
+            str(self.length),
+            "--model.init_args.min_new_tokens",
+            str(self.length),
+        ]
+        if self.lora:  # LoraSettings' defaults: r 16, alpha 32, dropout 0, all-linear (TRL side: the same LoraConfig)
+            args += ["--model.init_args.lora.r", "16"]
+        return args
+
+    def trl_args(self) -> list[str]:
+        return ["--length", str(self.length), *(["--lora"] if self.lora else []),
+                *([] if self.checkpointing else ["--no-checkpointing"])]  # fmt: skip
+
+
+SETUPS = (
+    Setup("full FT, 64 tokens, checkpointed", 64, lora=False, checkpointing=True),
+    Setup("LoRA, 256 tokens, checkpointed", 256, lora=True, checkpointing=True),
+    Setup("LoRA, 256 tokens, no checkpointing", 256, lora=True, checkpointing=False),
+)
+QUICK_SETUPS = (Setup("LoRA, 8 tokens, checkpointed", 8, lora=True, checkpointing=True),)
+
+
+def pick(setups: tuple[Setup, ...], numbers: str | None) -> tuple[Setup, ...]:
+    """``--setups 1,3``: those configurations (numbered from 1); ``None``: all."""
+    if not numbers:
+        return setups
+    try:
+        chosen = sorted({int(n) for n in numbers.split(",") if n.strip()})
+    except ValueError:
+        chosen = []
+    if not chosen or not all(1 <= n <= len(setups) for n in chosen):
+        raise ValueError(f"--setups: {numbers!r} is not a list of numbers from 1 to {len(setups)}")
+    return tuple(setups[n - 1] for n in chosen)
+
+
+@dataclass
+class Run:
+    """One child process: its step times and peak RSS."""
+
+    side: str  # "lit-rl" | "TRL"
+    setup: str
+    round: int
+    step_s: list[float]
+    peak_rss_bytes: int
+    wall_s: float
+    load_before: float = 0.0
+
+    @property
+    def step_time(self) -> float:
+        return median_after_first(self.step_s)
+
+
+@dataclass
+class Comparison:
+    """Both sides of one setup over all rounds."""
+
+    setup: Setup
+    runs: list[Run] = field(default_factory=list)
+
+    def side(self, side: str) -> list[Run]:
+        return [r for r in self.runs if r.side == side]
+
+    def rss(self, side: str) -> float:
+        return statistics.median(r.peak_rss_bytes for r in self.side(side))
+
+    def step_time(self, side: str) -> float:
+        return statistics.median(r.step_time for r in self.side(side))
+
+    def ratios(self) -> dict[str, float]:
+        return {"peak RSS": self.rss("lit-rl") / self.rss("TRL"),
+                "step time": self.step_time("lit-rl") / self.step_time("TRL")}  # fmt: skip
+
+
+def median_after_first(step_s: list[float]) -> float:
+    """Median step time over the steps after the first; the first pays one-time costs."""
+    if len(step_s) < 2:
+        raise ValueError(f"need at least 2 timed steps to drop the first, got {len(step_s)}; run more steps")
+    return statistics.median(step_s[1:])
+
+
+def verdict(ratio: float, target: float) -> str:
+    return "met" if ratio <= target else "not met"
+
+
+def schedule(setups, rounds: int) -> list[tuple[Setup, int, str]]:
+    """The run order: per setup, per round, lit-rl then TRL (A B A B)."""
+    return [(s, r, side) for s in setups for r in range(rounds) for side in ("lit-rl", "TRL")]
+
+
+def child_command(setup: Setup, side: str, steps: int, out: str, root_dir: str) -> list[str]:
+    if side == "lit-rl":
+        return [sys.executable, "-m", "lit_rl", "fit", *setup.lit_rl_args(), "--trainer.max_steps", str(steps),
+                "--trainer.default_root_dir", root_dir, "--trainer.callbacks+", "step_timer.StepTimer",
+                "--trainer.callbacks+.out", out]  # fmt: skip
+    return [
+        sys.executable,
+        str(ROOT / "bench" / "trl_child.py"),
+        *setup.trl_args(),
+        "--steps",
+        str(steps),
+        "--out",
+        out,
+    ]
+
+
+def shown_command(setup: Setup, side: str, steps: int) -> str:
+    """The command a reader can paste (from the repository root)."""
+    if side == "lit-rl":
+        args = " ".join(setup.lit_rl_args())
+        return (f"PYTHONPATH=.:bench python -m lit_rl fit {args} --trainer.max_steps {steps} "
+                "--trainer.callbacks+ step_timer.StepTimer --trainer.callbacks+.out steps.json")  # fmt: skip
+    return f"PYTHONPATH=.:bench python bench/trl_child.py {' '.join(setup.trl_args())} --steps {steps} --out steps.json"
+
+
+def child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "bench"), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return env
+
+
+def run_child(setup: Setup, side: str, rnd: int, steps: int, log=print) -> Run:
+    """One fresh process; its peak RSS from ``wait4``'s ``ru_maxrss`` (KiB on Linux)."""
+    import time
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "steps.json")
+        cmd = child_command(setup, side, steps, out, str(Path(tmp) / "runs"))
+        load = os.getloadavg()[0]
+        start = time.perf_counter()
+        with open(Path(tmp) / "log.txt", "w") as logfile:
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdout=logfile, stderr=subprocess.STDOUT)
+            _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        wall = time.perf_counter() - start
+        if proc.returncode != 0 or not Path(out).exists():
+            tail = (Path(tmp) / "log.txt").read_text()[-3000:]
+            raise RuntimeError(f"{side} run of {setup.name!r} failed (exit {proc.returncode}):\n{tail}")
+        record = json.loads(Path(out).read_text())
+    run = Run(side, setup.name, rnd, record["step_s"], usage.ru_maxrss * 1024, wall, load)
+    log(f"  {setup.name} round {rnd + 1} {side}: peak RSS {run.peak_rss_bytes / 2**30:.2f} GiB, "
+        f"step {run.step_time:.1f} s (steps {', '.join(f'{s:.1f}' for s in run.step_s)}), {wall:.0f} s wall")  # fmt: skip
+    return run
+
+
+def run(setups, rounds: int, steps: int, log=print) -> list[Comparison]:
+    comparisons = {s: Comparison(s) for s in setups}
+    for setup, rnd, side in schedule(setups, rounds):
+        comparisons[setup].runs.append(run_child(setup, side, rnd, steps, log))
+    return list(comparisons.values())
+
+
+def gib(b: float) -> str:
+    return f"{b / 2**30:.2f}"
+
+
+def tables(comparisons: list[Comparison]) -> list[str]:
+    lines = [
+        "| configuration | lit-rl peak RSS GiB | TRL peak RSS GiB | ratio | target ≤ 0.5 | lit-rl s/step | TRL s/step "
+        "| ratio | target ≤ 0.6 |",
+        "| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | --- |",
+    ]
+    for c in comparisons:
+        r = c.ratios()
+        lines.append(
+            f"| {c.setup.name} | {gib(c.rss('lit-rl'))} | {gib(c.rss('TRL'))} | {r['peak RSS']:.2f} "
+            f"| {verdict(r['peak RSS'], TARGETS['peak RSS'])} | {c.step_time('lit-rl'):.1f} | {c.step_time('TRL'):.1f} "
+            f"| {r['step time']:.2f} | {verdict(r['step time'], TARGETS['step time'])} |"
+        )
+    lines += ["", "Every run (in the order run):", "",
+              "| configuration | round | side | peak RSS GiB | step times s | median after the first s | load before "
+              "| wall s |", "| --- | ---: | --- | ---: | --- | ---: | ---: | ---: |"]  # fmt: skip
+    for c in comparisons:
+        for r in c.runs:
+            lines.append(
+                f"| {c.setup.name} | {r.round + 1} | {r.side} | {gib(r.peak_rss_bytes)} "
+                f"| {', '.join(f'{s:.1f}' for s in r.step_s)} | {r.step_time:.1f} | {r.load_before:.2f} | {r.wall_s:.0f} |"
+            )
+    return lines

@@ -1,0 +1,135 @@
+"""bench/run.py, the side-by-side suite of issue 11: its parsing and ratio logic, and a --quick run end to end.
+
+The quick run checks the structure of BENCHMARKS.md and that the plots exist; the numbers at quick sizes mean
+nothing. The TRL part runs only where trl is installed (the `bench` extra; CI installs without it) and the embedded
+model is present; otherwise the file must say why it was not run.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "bench")]
+
+import run as bench_run  # noqa: E402
+import vs_trl  # noqa: E402
+from baselines import demote_headings  # noqa: E402
+
+
+def _has_embedded() -> bool:
+    from lit_rl.models import embedded_gguf_path
+
+    try:
+        embedded_gguf_path()
+    except FileNotFoundError:
+        return False
+    return True
+
+
+HAS_TRL = importlib.util.find_spec("trl") is not None and _has_embedded()
+
+
+def test_median_drops_the_first_step():
+    assert vs_trl.median_after_first([100.0, 2.0, 4.0, 3.0]) == 3.0
+    assert vs_trl.median_after_first([100.0, 5.0]) == 5.0
+    with pytest.raises(ValueError, match="at least 2"):
+        vs_trl.median_after_first([1.0])
+
+
+def test_ratios_and_verdicts():
+    setup = vs_trl.SETUPS[0]
+    c = vs_trl.Comparison(setup)
+    # two rounds per side: medians of peak RSS and of per-run step times
+    c.runs += [
+        vs_trl.Run("lit-rl", setup.name, 0, [9.0, 2.0, 2.0], 1 * 2**30, 10.0),
+        vs_trl.Run("TRL", setup.name, 0, [9.0, 4.0, 4.0], 4 * 2**30, 10.0),
+        vs_trl.Run("lit-rl", setup.name, 1, [9.0, 4.0, 4.0], 3 * 2**30, 10.0),
+        vs_trl.Run("TRL", setup.name, 1, [9.0, 6.0, 6.0], 4 * 2**30, 10.0),
+    ]
+    assert c.rss("lit-rl") == 2 * 2**30 and c.step_time("TRL") == 5.0
+    assert c.ratios() == pytest.approx({"peak RSS": 0.5, "step time": 0.6})
+    assert vs_trl.verdict(0.5, 0.5) == "met" and vs_trl.verdict(0.61, 0.6) == "not met"
+    (row,) = [line for line in vs_trl.tables([c]) if line.startswith(f"| {setup.name} | 2.00")]
+    assert "| 0.50 | met |" in row and "| 0.60 | met |" in row
+
+
+def test_schedule_alternates_the_sides():
+    order = vs_trl.schedule(vs_trl.SETUPS[:2], rounds=2)
+    assert [side for _, _, side in order] == ["lit-rl", "TRL"] * 4
+    assert [(s.name, r) for s, r, _ in order[:4]] == [(vs_trl.SETUPS[0].name, r) for r in (0, 0, 1, 1)]
+
+
+def test_the_two_sides_get_the_same_settings():
+    for s in vs_trl.SETUPS:
+        lit, trl = s.lit_rl_args(), s.trl_args()
+        assert lit[lit.index("--model.init_args.max_new_tokens") + 1] == str(s.length)
+        assert lit[lit.index("--model.init_args.min_new_tokens") + 1] == str(s.length)
+        assert trl[trl.index("--length") + 1] == str(s.length)
+        assert (
+            ("callbacks/activation_checkpointing.yaml" in lit) == s.checkpointing == ("--no-checkpointing" not in trl)
+        )
+        assert ("--model.init_args.lora.r" in lit) == s.lora == ("--lora" in trl)
+
+
+def test_parts_are_checked():
+    assert bench_run.parse_parts(None) == bench_run.PARTS
+    assert bench_run.parse_parts("gpu, trl") == ("trl", "gpu")  # the suite's order
+    with pytest.raises(ValueError, match="unknown part"):
+        bench_run.parse_parts("trl,nope")
+    with pytest.raises(SystemExit):
+        bench_run.parse_args(["--only", "nope"])
+    with pytest.raises(SystemExit):
+        bench_run.parse_args(["--steps", "1"])
+
+
+def test_setups_are_picked_by_number():
+    assert vs_trl.pick(vs_trl.SETUPS, None) == vs_trl.SETUPS
+    assert vs_trl.pick(vs_trl.SETUPS, "3,1") == (vs_trl.SETUPS[0], vs_trl.SETUPS[2])
+    for bad in ("0", "4", "a", ","):
+        with pytest.raises(ValueError, match="--setups"):
+            vs_trl.pick(vs_trl.SETUPS, bad)
+    with pytest.raises(SystemExit):
+        bench_run.parse_args(["--setups", "9"])
+
+
+def test_headings_nest_under_the_suite():
+    assert demote_headings("### A\ntext\n#### B") == "#### A\ntext\n##### B"
+
+
+def test_quick_suite_writes_the_report(tmp_path):
+    only = [] if HAS_TRL else ["--only", "baselines,sweeps,gpu"]
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "run.py"), "--quick", "--out", str(tmp_path), *only],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    md = (tmp_path / "BENCHMARKS.md").read_text()
+    assert "Command: `python bench/run.py --quick --out" in md
+    assert "CPUs" in md and "torch 2" in md and "load average (1 min)" in md
+    assert "## 2. Full-logits baselines" in md and "## 3. Vocabulary and length sweeps" in md
+    if HAS_TRL:
+        assert "## 1. lit-rl vs TRL" in md
+        rows = [line for line in md.splitlines() if line.startswith("| LoRA, 8 tokens")]
+        assert len(rows) == 3  # the summary row and one row per side
+        assert rows[0].count("met") == 2
+    import torch
+
+    if not torch.cuda.is_available():
+        assert "not run: no CUDA device" in md
+    sweep = md.split("## 3.", 1)[1].split("## 4.", 1)[0]
+    body = [line for line in sweep.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert len(body) == 4  # vocabularies 512, 1,024, 2,048 at 16 tokens and 8 tokens at 512
+    for line in body:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert abs(float(cells[7])) < 1.0  # the estimate of the update within 1 % at any size
+    for name in ("cpu_peak_by_phase.png", "cpu_peak_vs_vocab.png", "cpu_vs_length.png"):
+        assert (tmp_path / "results" / name).stat().st_size > 0
