@@ -6,7 +6,9 @@ MLP width and tied embeddings) with LoRA r16 on all linear layers (``lit_rl.mode
 ``LoraSettings()``), one batch of 2 prompts x 4 completions (``bench_policy_update.make_batch``: left-padded prompts),
 and two phases under one memory measurement: the no-grad ``reference`` pass (adapters disabled in lit-rl's step; here
 the same weights under ``no_grad``, which costs the same) and the ``update`` (forward + GRPO loss + backward, no
-optimizer step). ``lit-rl logits-free`` runs ``RefCachedGRPO.completion_stats`` (chunked ``lit_rl.ops``);
+optimizer step). ``lit-rl logits-free`` runs ``RefCachedGRPO.completion_stats`` (chunked ``lit_rl.ops``) on whole
+rows, each completion with its prompt (``share_prompt: false``, so the sweep isolates the logits; the shared-prompt
+saving is measured by ``bench/bench_shared_prompt.py`` and the TRL part);
 ``full-logits`` materialises ``[B, C, V]`` float32 logits (TRL-style, with ``logits_to_keep``).
 
 Measured: on CPU, exact bytes held by tensors (``TensorMemoryTracker``, resident weights included); on CUDA,
@@ -88,7 +90,7 @@ def predict(cfg: SweepConfig, shape: bpu.BenchConfig, vocab: int) -> dict[str, i
     method = RefCachedGRPO(
         name_or_path="bench", lora=LoraSettings(), num_generations=shape.num_generations,
         max_new_tokens=shape.completion_len, min_new_tokens=shape.completion_len, beta=shape.beta,
-        loss_type=shape.loss_type, temperature=shape.temperature,
+        loss_type=shape.loss_type, temperature=shape.temperature, share_prompt=False,
     )  # fmt: skip
     est = estimate_step(
         method, batch_size=shape.num_prompts, prompt_length=shape.prompt_len, model_config=model_config(shape, vocab),
