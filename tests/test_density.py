@@ -91,6 +91,63 @@ def test_ivf_by_list_searches_a_superset_of_per_query():
     assert (by_list <= per_query + 1e-4).all()
 
 
+def low_rank_clusters(n: int, dim: int = 48, latent: int = 6, clusters: int = 12, seed: int = 0) -> np.ndarray:
+    """Clusters on random low-dimensional linear manifolds, like the bench's synthetic embeddings."""
+    rng = np.random.default_rng(seed)
+    centres = rng.normal(size=(clusters, dim))
+    bases = rng.normal(size=(clusters, latent, dim)) / np.sqrt(latent)
+    spread = rng.uniform(0.1, 0.8, size=clusters)
+    label = rng.integers(clusters, size=n)
+    z = rng.normal(size=(n, latent))
+    x = centres[label] + spread[label, None] * np.einsum("nl,nld->nd", z, bases[label])
+    return (x + rng.normal(scale=0.01, size=(n, dim))).astype(np.float32)
+
+
+def test_ivf_defaults_keep_recall_against_exact():
+    # the defaults (nprobe 3, 20 training points per list, 5 k-means iterations, by_list) on
+    # clustered data, checked against float64 brute force: recall@10 and the weights
+    x = low_rank_clusters(4000)
+    nlist = 64  # ~60 points per list, as 4 sqrt(N) gives at this N (the 1M bench: 250)
+    dist, idx = knn_search(x, 10, backend="ivf", nlist=nlist)
+    ref_d, ref_i = knn_search(x, 10, backend="numpy")
+    recall = np.mean([np.intersect1d(a, b).size / 10 for a, b in zip(idx, ref_i, strict=True)])
+    assert recall >= 0.95, recall
+    w = inverse_density_weights(x, 10, backend="ivf", nlist=nlist)
+    np.testing.assert_allclose(w.sum(), 1.0, rtol=1e-12)
+    ref_w = reference_weights(x, 10)
+    assert np.corrcoef(w, ref_w)[0, 1] > 0.99
+    assert np.median(np.abs(w - ref_w) / ref_w) < 1e-3
+    # one probed list per point and a single k-means iteration on the minimum sample: the same
+    # check must be able to fail, or it would say nothing about the defaults
+    _, poor = knn_search(x, 10, backend="ivf", nlist=nlist, nprobe=1, train_size=nlist, niter=1)
+    poor_recall = np.mean([np.intersect1d(a, b).size / 10 for a, b in zip(poor, ref_i, strict=True)])
+    assert poor_recall < recall
+
+
+def test_ivf_by_list_distances_are_exact_for_the_neighbours_found():
+    # found neighbours are re-measured as sums of squared differences, not |q|^2 + |c|^2 - 2 q.c,
+    # so points far from the origin with close neighbours keep their small distances
+    rng = np.random.default_rng(0)
+    x = (rng.normal(size=(2000, 32)) * 1e-3 + 100.0).astype(np.float32)
+    dist, idx = knn_search(x, 5, backend="ivf", nlist=20, nprobe=2)
+    x64 = x.astype(np.float64)
+    true = np.sqrt(((x64[:, None, :] - x64[idx]) ** 2).sum(-1))  # [N, k]
+    np.testing.assert_allclose(dist, true, rtol=1e-4)
+    assert (np.diff(dist, axis=1) >= 0).all()
+
+
+def test_ivf_by_list_float16_memmap(tmp_path):
+    # the on-disk form lit-rl embed writes: float16, read in batches, equal to the float32 array's result
+    x = low_rank_clusters(3000).astype(np.float16)
+    mm = np.lib.format.open_memmap(tmp_path / "e.npy", mode="w+", dtype=np.float16, shape=x.shape)
+    mm[:] = x
+    mm.flush()
+    kw = dict(backend="ivf", nlist=40, batch_size=700)
+    from_disk = inverse_density_weights(np.load(tmp_path / "e.npy", mmap_mode="r"), 10, **kw)
+    in_memory = inverse_density_weights(x.astype(np.float32), 10, **kw)
+    np.testing.assert_allclose(from_disk, in_memory, rtol=1e-5)
+
+
 def test_ivf_by_list_widens_small_lists():
     x = clustered(400, 8)
     dist, idx = knn_search(x, 60, backend="ivf", nlist=10, nprobe=1)  # lists of ~40 < k + 1

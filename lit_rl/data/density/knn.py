@@ -6,7 +6,8 @@
   its ``nprobe`` nearest inverted lists one vector at a time.
 - ``ivf`` with ``ivf_search="by_list"`` (default): the same coarse quantizer, but the points of one
   inverted list are searched together, exactly, among the members of every list any of them
-  probes, as matrix products.
+  probes, as torch matrix products (``faiss.knn`` reached ~15 GFLOP/s on these small blocks,
+  a torch ``addmm`` + ``topk`` 20-60 on the same 2 cores).
 
 How this differs from the seed analysis (``004_28939806410824da.txt``): kNN runs on FAISS (exact
 below ``ivf_threshold`` prompts, IVF from there on), searched in batches, so the distances of one
@@ -21,10 +22,16 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
+import torch
+from tqdm.auto import tqdm
 
-from lit_rl.data.density.arrays import as_array, as_float32, read_rows, release_pages
+from lit_rl.data.density.arrays import as_array, read_rows, release_pages
 
 BACKENDS = ("auto", "exact", "ivf", "numpy")
+# default IVF k-means sample: points per list (FAISS's own advice is 39 or more, see _train_ivf)
+TRAIN_POINTS_PER_LIST = 20
+# float32 elements of one by_list distance block (64 MiB): bounds the temporary memory of a list
+_BLOCK_ELEMENTS = 2**24
 
 # a batch of kNN results: (ids of the query points [b], squared distances [b, k], neighbour ids [b, k])
 KnnBatch = tuple[np.ndarray, np.ndarray, np.ndarray]
@@ -96,16 +103,23 @@ def _exact_batches(embeddings: np.ndarray, k: int, batch_size: int) -> Iterator[
         yield ids, *_drop_self(d2, idx, ids, k)
 
 
-def _train_ivf(embeddings: np.ndarray, nlist: int | None, train_size: int | None, seed: int, batch_size: int) -> Any:
-    """An empty ``IndexIVFFlat`` whose coarse quantizer is trained on a seeded random sample."""
+def _train_ivf(
+    embeddings: np.ndarray, nlist: int | None, train_size: int | None, niter: int, seed: int, batch_size: int
+) -> Any:
+    """An empty ``IndexIVFFlat`` whose coarse quantizer is trained on a seeded random sample.
+
+    The k-means costs ``train_size * nlist * D * niter`` multiply-adds: 20 points per list and 5
+    iterations (FAISS's IVF uses 40+ and 10) halve the sample and the iterations, a quarter of the
+    cost, while the ``by_list`` search keeps recall@10 above 0.95 (``bench/results/density.md``).
+    """
     import faiss
 
     n, d = embeddings.shape
     if nlist is None:
         nlist = int(4 * math.sqrt(n))
-    nlist = max(1, min(nlist, n // 39))  # faiss wants at least 39 training points per list
+    nlist = max(1, min(nlist, n // 39))  # at least 39 points per list on average
     if train_size is None:
-        train_size = 40 * nlist
+        train_size = TRAIN_POINTS_PER_LIST * nlist
     train_size = max(nlist, min(train_size, n))
     sample = np.sort(np.random.default_rng(seed).choice(n, size=train_size, replace=False))
     train = np.empty((train_size, d), dtype=np.float32)
@@ -114,6 +128,9 @@ def _train_ivf(embeddings: np.ndarray, nlist: int | None, train_size: int | None
     release_pages(embeddings)
     index = faiss.IndexIVFFlat(faiss.IndexFlatL2(d), d, nlist, faiss.METRIC_L2)
     index.cp.seed = seed  # k-means initialisation: deterministic for a given seed
+    index.cp.niter = niter
+    # FAISS warns below 39 training points per centroid; 20 is this module's default on purpose
+    index.cp.min_points_per_centroid = min(index.cp.min_points_per_centroid, TRAIN_POINTS_PER_LIST)
     index.train(train)
     return index
 
@@ -144,33 +161,42 @@ def _ivf_per_query_batches(
         yield ids, *_drop_self(d2, idx, ids, k)
 
 
-def _ivf_by_list_batches(
-    index: Any, embeddings: np.ndarray, k: int, nprobe: int, batch_size: int
-) -> Iterator[KnnBatch]:
-    import faiss
-
-    n, d = embeddings.shape
-    quantizer, nlist = index.quantizer, index.nlist
-    nprobe = min(nprobe, nlist)
-    # each point's nprobe nearest lists (the first is its own): what per-query IVF would scan
-    probe = np.empty((n, nprobe), dtype=np.int32)
+def _nearest_lists(embeddings: np.ndarray, centroids: torch.Tensor, nprobe: int, batch_size: int) -> np.ndarray:
+    """Each point's ``nprobe`` nearest centroids, nearest first: ``[N, nprobe]`` int64."""
+    n = embeddings.shape[0]
+    c_sq = centroids.square().sum(1)  # [L]
+    probe = np.empty((n, nprobe), dtype=np.int64)
     for s in range(0, n, batch_size):
-        probe[s : s + batch_size] = quantizer.search(read_rows(embeddings, s, s + batch_size), nprobe)[1]
+        q = torch.from_numpy(read_rows(embeddings, s, s + batch_size))  # [b, D]
         release_pages(embeddings)
+        d2 = torch.addmm(c_sq[None, :], q, centroids.T, alpha=-2.0)  # [b, L], |q|^2 left out: same order
+        probe[s : s + batch_size] = torch.topk(d2, nprobe, dim=1, largest=False).indices.numpy()
+    return probe
+
+
+def _ivf_by_list_batches(
+    index: Any, embeddings: np.ndarray, k: int, nprobe: int, batch_size: int, progress: bool
+) -> Iterator[KnnBatch]:
+    n, d = embeddings.shape
+    nlist = index.nlist
+    nprobe = min(nprobe, nlist)
+    centroids = torch.from_numpy(index.quantizer.reconstruct_n(0, nlist))  # [L, D]
+    # each point's nprobe nearest lists (the first is its own): what per-query IVF would scan
+    probe = _nearest_lists(embeddings, centroids, nprobe, batch_size)  # [N, nprobe]
     order = np.argsort(probe[:, 0], kind="stable")  # point ids grouped by their own list
     offsets = np.zeros(nlist + 1, dtype=np.int64)
     np.cumsum(np.bincount(probe[:, 0], minlength=nlist), out=offsets[1:])
     # the vectors in list order, in their stored precision (float16 input: half the memory)
     store = np.float16 if embeddings.dtype == np.float16 else np.float32
-    grouped = np.empty((n, d), dtype=store)
+    grouped_np = np.empty((n, d), dtype=store)
     for s in range(0, n, batch_size):
         chunk = order[s : s + batch_size]
         perm = np.argsort(chunk)  # read the memmap in increasing row order
-        grouped[s + perm] = embeddings[chunk[perm]]
+        grouped_np[s + perm] = embeddings[chunk[perm]]
         release_pages(embeddings)
-    centroids = quantizer.reconstruct_n(0, nlist)  # [nlist, D]
+    grouped = torch.from_numpy(grouped_np)  # [N, D], shares memory
     sizes = np.diff(offsets)
-    for lst in range(nlist):
+    for lst in tqdm(range(nlist), desc="kNN by IVF list", unit="list", disable=not progress, mininterval=5.0):
         lo, hi = offsets[lst], offsets[lst + 1]
         if lo == hi:
             continue
@@ -179,18 +205,28 @@ def _ivf_by_list_batches(
         # centroid until they hold k + 1 points
         lists = np.unique(probe[order[lo:hi]])
         if sizes[lists].sum() < k + 1:
-            near = np.argsort(((centroids - centroids[lst]) ** 2).sum(1), kind="stable")
+            near = torch.argsort(((centroids - centroids[lst]) ** 2).sum(1), stable=True).numpy()
             near = near[~np.isin(near, lists)]
             extra = int(np.searchsorted(np.cumsum(sizes[near]), k + 1 - sizes[lists].sum())) + 1
             lists = np.concatenate([lists, near[:extra]])
+        # contiguous slices of `grouped`, one per candidate list: no gather index over rows
+        cand = torch.cat([grouped[offsets[c] : offsets[c + 1]] for c in lists]).float()  # [c, D]
         cand_pos = np.concatenate([np.arange(offsets[c], offsets[c + 1]) for c in lists])  # rows of `grouped`
-        cand = as_float32(grouped[cand_pos])  # [c, D]
-        for qs in range(lo, hi, batch_size):
-            qe = min(hi, qs + batch_size)
-            q = as_float32(grouped[qs:qe])  # [b, D]
-            d2, local = faiss.knn(q, cand, k + 1)  # exact within the candidates, as matrix products
+        cand_sq = cand.square().sum(1)  # [c]
+        # bounds the [b, c] distance block and the [b, k+1, D] re-rank gather to ~64 MiB each
+        rows = max(1, min(batch_size, _BLOCK_ELEMENTS // max(len(cand), (k + 1) * d)))
+        for qs in range(lo, hi, rows):
+            qe = min(hi, qs + rows)
+            q = grouped[qs:qe].float()  # [b, D]
+            # |c|^2 - 2 q.c ranks the candidates like the squared distance, as one matrix product
+            d2 = torch.addmm(cand_sq[None, :], q, cand.T, alpha=-2.0)  # [b, c]
+            top = torch.topk(d2, k + 1, dim=1, largest=False).indices  # [b, k+1]
+            # the k + 1 found, re-measured as sums of squared differences: no cancellation error
+            exact = (q[:, None, :] - cand[top]).square().sum(-1)  # [b, k+1]
+            exact, resort = torch.sort(exact, dim=1)
+            top = torch.gather(top, 1, resort)
             ids = order[qs:qe]
-            yield ids, *_drop_self(d2, order[cand_pos[local]], ids, k)
+            yield ids, *_drop_self(exact.numpy(), order[cand_pos[top.numpy()]], ids, k)
 
 
 def knn_batches(
@@ -205,6 +241,8 @@ def knn_batches(
     seed: int,
     batch_size: int,
     ivf_search: str,
+    niter: int = 5,
+    progress: bool = False,
 ) -> Iterator[KnnBatch]:
     """Yield ``(ids [b], squared_distances [b, k], neighbour_ids [b, k])`` batch by batch, self excluded.
 
@@ -220,9 +258,11 @@ def knn_batches(
     else:
         if ivf_search not in ("by_list", "per_query"):
             raise ValueError(f"ivf_search={ivf_search!r} is not supported; use 'by_list' or 'per_query'")
-        index = _train_ivf(embeddings, nlist, train_size, seed, batch_size)
-        search = _ivf_by_list_batches if ivf_search == "by_list" else _ivf_per_query_batches
-        yield from search(index, embeddings, k, nprobe, batch_size)
+        index = _train_ivf(embeddings, nlist, train_size, niter, seed, batch_size)
+        if ivf_search == "by_list":
+            yield from _ivf_by_list_batches(index, embeddings, k, nprobe, batch_size, progress)
+        else:
+            yield from _ivf_per_query_batches(index, embeddings, k, nprobe, batch_size)
 
 
 def knn_search(
@@ -230,13 +270,15 @@ def knn_search(
     k: int,
     *,
     backend: str = "auto",
-    nprobe: int = 16,
+    nprobe: int = 3,
     ivf_threshold: int = 200_000,
     nlist: int | None = None,
     train_size: int | None = None,
+    niter: int = 5,
     seed: int = 0,
     batch_size: int = 65536,
     ivf_search: str = "by_list",
+    progress: bool = False,
 ) -> tuple[np.ndarray, np.ndarray]:
     """The ``k`` nearest other points of every point: Euclidean distances and indices.
 
@@ -252,7 +294,8 @@ def knn_search(
     index = np.empty((n, k), dtype=np.int64)
     for ids, d2, idx in knn_batches(
         embeddings, k, backend=backend, nprobe=nprobe, ivf_threshold=ivf_threshold, nlist=nlist,
-        train_size=train_size, seed=seed, batch_size=batch_size, ivf_search=ivf_search,
+        train_size=train_size, seed=seed, batch_size=batch_size, ivf_search=ivf_search, niter=niter,
+        progress=progress,
     ):  # fmt: skip
         dist[ids] = np.sqrt(np.maximum(d2, 0.0))
         index[ids] = idx

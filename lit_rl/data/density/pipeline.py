@@ -90,7 +90,7 @@ def density_weights_for(
     max_length: int = 256,
     dtype: str = "float32",
     progress: bool = True,
-    nprobe: int = 16,
+    nprobe: int = 3,
     ivf_threshold: int = 200_000,
     seed: int = 0,
     overwrite: bool = False,
@@ -107,7 +107,8 @@ def density_weights_for(
         model: the causal LM that embeds them (may be ``None`` when a matching cache exists).
         tokenizer: its tokenizer.
         k: neighbours of the density estimate.
-        pooling, batch_size, max_length, dtype, progress: see :func:`embed_prompts`.
+        pooling, batch_size, max_length, dtype: see :func:`embed_prompts`.
+        progress: progress bars for the embedding pass and the IVF kNN search.
         backend, nprobe, ivf_threshold, seed: see :func:`inverse_density_weights`.
         cache_dir: folder of the offline :class:`EmbeddingCache`.
         model_id: the model's name or path, recorded in and checked against the cache metadata.
@@ -159,7 +160,7 @@ def density_weights_for(
             )  # fmt: skip
     with peak_rss_stage() as knn_stage:
         weights = inverse_density_weights(
-            emb, k, backend=backend, nprobe=nprobe, ivf_threshold=ivf_threshold, seed=seed
+            emb, k, backend=backend, nprobe=nprobe, ivf_threshold=ivf_threshold, seed=seed, progress=progress
         )
     stats = {
         "density/ess": effective_sample_size(weights),
