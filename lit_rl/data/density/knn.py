@@ -109,8 +109,13 @@ def _train_ivf(
     """An empty ``IndexIVFFlat`` whose coarse quantizer is trained on a seeded random sample.
 
     The k-means costs ``train_size * nlist * D * niter`` multiply-adds: 20 points per list and 5
-    iterations (FAISS's IVF uses 40+ and 10) halve the sample and the iterations, a quarter of the
-    cost, while the ``by_list`` search keeps recall@10 above 0.95 (``bench/results/density.md``).
+    iterations halve FAISS's sample and iterations, a quarter of the cost, while the ``by_list``
+    search keeps recall@10 above 0.95 (``bench/results/density.md``). FAISS's own numbers: its
+    ``ClusteringParameters`` warn below ``min_points_per_centroid = 39`` training points per
+    centroid and subsample above ``max_points_per_centroid = 256`` (faiss/Clustering.h), and an
+    IVF index's k-means runs ``cp.niter = 10`` iterations, "a low # iterations because this is
+    typically used for large clusterings" (faiss/IndexIVF.cpp, ``Level1Quantizer``), where a plain
+    ``faiss.Kmeans`` runs 25.
     """
     import faiss
 
@@ -129,7 +134,7 @@ def _train_ivf(
     index = faiss.IndexIVFFlat(faiss.IndexFlatL2(d), d, nlist, faiss.METRIC_L2)
     index.cp.seed = seed  # k-means initialisation: deterministic for a given seed
     index.cp.niter = niter
-    # FAISS warns below 39 training points per centroid; 20 is this module's default on purpose
+    # FAISS warns below 39 training points per centroid (see above); 20 is this module's default on purpose
     index.cp.min_points_per_centroid = min(index.cp.min_points_per_centroid, TRAIN_POINTS_PER_LIST)
     index.train(train)
     return index
