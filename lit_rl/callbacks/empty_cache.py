@@ -2,7 +2,8 @@
 Empty Cache
 ===========
 
-Returns the CUDA caching allocator's unused blocks to the driver at chosen phase boundaries.
+Gives the memory an allocator keeps after tensors die back to the system at chosen phase boundaries: the CUDA
+caching allocator's unused blocks on a GPU, glibc's free heap pages (``malloc_trim``) on a CPU.
 """
 
 from __future__ import annotations
@@ -16,40 +17,62 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
+from lit_rl.memory.host_allocator import MMAP_THRESHOLD_MAX, malloc_trim, set_malloc_thresholds, why_not_glibc
+from lit_rl.memory.rss import read_rss
 from lit_rl.memory.units import GIB
 
 
 class EmptyCache(Callback):
-    r"""Calls ``torch.cuda.empty_cache()`` at the start or end of chosen phases and logs what it freed.
+    r"""Releases the allocator's cached memory at the start or end of chosen phases and logs how much it released.
 
-    **Saving**: generation (``rollout``) and the reference pass allocate many differently shaped
-    blocks (KV caches growing token by token, one batch of log-probs); the caching allocator keeps
-    them reserved after the tensors die. Releasing them before the policy update turns that
-    fragmented reserve back into memory the backward pass can use, which is often the difference
-    between fitting and an out-of-memory error whose message says "reserved but unallocated". It
-    does not lower the peak of allocated tensors, only the reserved-but-unused part.
+    **On CUDA** it calls ``torch.cuda.empty_cache()``. *Saving*: generation (``rollout``) and the reference pass
+    allocate many differently shaped blocks (KV caches growing token by token, one batch of log-probs); the
+    caching allocator keeps them reserved after the tensors die. Releasing them before the policy update turns
+    that fragmented reserve back into memory the backward pass can use, which is often the difference between
+    fitting and an out-of-memory error whose message says "reserved but unallocated". It does not lower the
+    peak of allocated tensors. *Cost*: each call synchronises the device, and the memory given back has to be
+    re-requested from the driver (``cudaMalloc``) by the next phase, typically milliseconds to tens of
+    milliseconds per step. The cheaper fix for fragmentation, when it suffices, is to start the process with
+    ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (the allocator grows segments in place instead of
+    keeping many fixed-size ones); it is an environment variable read when CUDA initialises, so it cannot be
+    set from here.
 
-    **Cost**: each call synchronises the device, and the memory given back has to be re-requested
-    from the driver (``cudaMalloc``) by the next phase, which stalls it, typically by milliseconds
-    to tens of milliseconds per step. Call it at few boundaries; ``expandable_segments:True`` in
-    ``PYTORCH_CUDA_ALLOC_CONF`` is the cheaper fix for fragmentation when it suffices.
+    **On CPU with glibc** (Linux) it calls ``malloc_trim(0)``, which returns every whole free page of glibc's
+    heaps to the OS. glibc keeps freed blocks below its (dynamic, up to 32 MiB) mmap threshold, so without it
+    the process RSS holds every activation, KV cache and gradient temporary the step ever freed (issue 11: a
+    LoRA step with a 0.85 GiB tensor peak at 3.5 GiB RSS). *Saving* and *cost* are measured by
+    ``bench/bench_allocator.py`` (table in ``bench/results/allocator.md``): trimming at every phase end lowers
+    the peak RSS between phases but not within one; each call costs the page faults of re-touching the
+    released pages in the next phase.
 
-    Without CUDA there is no cache to empty: the callback does nothing and says so once.
+    ``mmap_threshold`` / ``trim_threshold`` additionally fix glibc's thresholds in ``setup`` (``mallopt``),
+    the run-time form of ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_``: every block above the mmap
+    threshold then goes back to the OS as soon as it is freed, inside a phase too. *Saving*: the lowest RSS of
+    all options. *Cost*: an ``mmap``/``munmap`` pair and fresh page faults for every large allocation (issue
+    11: ~24% longer steps at 64 KiB); see the benchmark table. Process-wide and for the rest of the process.
+    Blocks allocated before ``setup`` (``import torch``) stay where they are.
 
-    **Logged Metrics** (each training step on CUDA, ``step = trainer.global_step``):
+    Elsewhere (macOS, musl, Windows) the CPU work is a no-op that says once why.
 
-    - ``memory/empty_cache/freed_gib``: reserved memory before minus after, summed over the step's calls
+    **Logged Metrics** (each training step in which it released something, ``step = trainer.global_step``):
+
+    - ``memory/empty_cache/freed_gib``: CUDA reserved memory (CUDA) or process RSS (CPU) before minus after,
+      summed over the step's calls
 
     Args:
-        phases: the phases at whose boundary the cache is emptied: any the method declares
-            (``pl_module.phases.names``; for GRPO ``rollout``, ``reference``, ``policy_forward``,
-            ``backward``, ``optimizer``).
+        phases: the phases at whose boundary memory is released: any the method declares
+            (``pl_module.phases.names``; for GRPO ``rollout``, ``reference``, ``policy_forward``, ``backward``,
+            ``optimizer``), or ``"all"`` for every declared phase (``backward`` and ``optimizer`` belong to
+            every method). Default ``[rollout, reference]``.
         when: ``"end"`` (after the phase, releasing what it left behind) or ``"start"`` (before it).
+        mmap_threshold: glibc ``M_MMAP_THRESHOLD`` in bytes (0 to 32 MiB), applied in ``setup``; ``None`` keeps
+            glibc's dynamic threshold.
+        trim_threshold: glibc ``M_TRIM_THRESHOLD`` in bytes, applied in ``setup``; ``None`` keeps glibc's.
 
     Raises:
         MisconfigurationException:
-            If a phase name is not one the method declares, ``when`` is neither ``"start"`` nor ``"end"``, or
-            the LightningModule has no ``phases`` attribute.
+            If a phase name is not one the method declares, ``when`` is neither ``"start"`` nor ``"end"``, a
+            threshold is out of glibc's range, or the LightningModule has no ``phases`` attribute.
 
     Example::
 
@@ -57,13 +80,24 @@ class EmptyCache(Callback):
         trainer:
           callbacks+:
             - class_path: lit_rl.callbacks.EmptyCache
-              init_args: {phases: [rollout, reference], when: end}
+              init_args: {phases: all, when: end}
     """
 
-    def __init__(self, phases: list[str] | None = None, when: Literal["start", "end"] = "end") -> None:
-        self.phases = list(phases) if phases is not None else ["rollout", "reference"]
+    def __init__(
+        self,
+        phases: list[str] | Literal["all"] | None = None,
+        when: Literal["start", "end"] = "end",
+        mmap_threshold: int | None = None,
+        trim_threshold: int | None = None,
+    ) -> None:
+        if phases is None:
+            phases = ["rollout", "reference"]
+        self.phases: list[str] | Literal["all"] = phases if phases == "all" else list(phases)
         self.when = when
-        self._cuda = False
+        self.mmap_threshold = mmap_threshold
+        self.trim_threshold = trim_threshold
+        self._names: tuple[str, ...] = ()
+        self._mode: Literal["cuda", "trim", "off"] = "off"
         self._device: torch.device | None = None
         self._freed = 0
         self._calls = 0
@@ -73,24 +107,49 @@ class EmptyCache(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self.when not in ("start", "end"):
             raise MisconfigurationException(f"EmptyCache(when={self.when!r}): use 'start' or 'end'.")
+        for name, value, top in (
+            ("mmap", self.mmap_threshold, MMAP_THRESHOLD_MAX),
+            ("trim", self.trim_threshold, None),
+        ):
+            if value is not None and (not isinstance(value, int) or value < 0 or (top is not None and value > top)):
+                limit = f"0 to {top} bytes (32 MiB, glibc's maximum)" if top else "a byte count >= 0"
+                raise MisconfigurationException(
+                    f"EmptyCache({name}_threshold={value!r}): use {limit}, e.g. 65536, or null to keep glibc's default."
+                )
         tracker = getattr(pl_module, "phases", None)
         if tracker is None or not hasattr(tracker, "add_listener"):
             raise MisconfigurationException(
                 f"EmptyCache needs `{type(pl_module).__name__}.phases` (a lit_rl.memory.phases.PhaseTracker) to know "
                 "the phase boundaries; use a lit-rl method or remove the EmptyCache callback."
             )
-        declared = list(getattr(tracker, "names", ()))
-        unknown = [p for p in self.phases if p not in declared]
-        if unknown:
-            raise MisconfigurationException(
-                f"EmptyCache(phases={self.phases}): unknown phase(s) {unknown}; {type(pl_module).__name__} "
-                f"declares {declared}."
-            )
+        declared = tuple(getattr(tracker, "names", ()))
+        if self.phases != "all":
+            unknown = [p for p in self.phases if p not in declared]
+            if unknown:
+                raise MisconfigurationException(
+                    f"EmptyCache(phases={self.phases}): unknown phase(s) {unknown}; {type(pl_module).__name__} "
+                    f"declares {list(declared)} (or use phases: all)."
+                )
+        self._names = declared if self.phases == "all" else tuple(self.phases)
         self._device = trainer.strategy.root_device
-        self._cuda = self._device.type == "cuda" and torch.cuda.is_available()
-        if not self._cuda:
+        if self._device.type == "cuda" and torch.cuda.is_available():
+            self._mode = "cuda"
+        elif why_not_glibc():
+            self._mode = "off"
+        else:
+            self._mode = "trim"
+        if self.mmap_threshold is not None or self.trim_threshold is not None:
+            try:
+                set_malloc_thresholds(self.mmap_threshold, self.trim_threshold)
+            except ValueError as err:  # glibc refused a value the checks above let through
+                raise MisconfigurationException(f"EmptyCache: {err}") from err
+        if self._mode == "off":
             if not self._said_noop:
-                rank_zero_info(f"EmptyCache: training runs on {self._device}, which has no CUDA cache to empty; no-op.")
+                what = "malloc_trim" + ("/mallopt" if self.mmap_threshold or self.trim_threshold else "")
+                rank_zero_info(
+                    f"EmptyCache: training runs on {self._device} without CUDA and {why_not_glibc()}: there is no "
+                    f"cache to empty ({what} is glibc's); no-op."
+                )
                 self._said_noop = True
             return
         tracker.add_listener(self)
@@ -113,17 +172,23 @@ class EmptyCache(Callback):
         self._freed = self._calls = 0
 
     def on_phase_start(self, name: str) -> None:
-        if self.when == "start" and name in self.phases:
-            self._empty()
+        if self.when == "start" and name in self._names:
+            self._release()
 
     def on_phase_end(self, name: str) -> None:
-        if self.when == "end" and name in self.phases:
-            self._empty()
+        if self.when == "end" and name in self._names:
+            self._release()
 
-    def _empty(self) -> None:
-        if not self._cuda:
+    def _release(self) -> None:
+        if self._mode == "cuda":
+            before = torch.cuda.memory_reserved(self._device)
+            torch.cuda.empty_cache()
+            after = torch.cuda.memory_reserved(self._device)
+        elif self._mode == "trim":
+            before = read_rss() or 0
+            malloc_trim()
+            after = read_rss() or 0
+        else:
             return
-        before = torch.cuda.memory_reserved(self._device)
-        torch.cuda.empty_cache()
-        self._freed += before - torch.cuda.memory_reserved(self._device)
+        self._freed += before - after
         self._calls += 1

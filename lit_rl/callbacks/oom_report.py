@@ -24,6 +24,7 @@ from lit_rl.callbacks.empty_cache import EmptyCache
 from lit_rl.callbacks.memory_profiler import MemoryProfiler
 from lit_rl.memory.estimate import trainer_settings
 from lit_rl.memory.fit import estimate_savings
+from lit_rl.memory.host_allocator import why_not_glibc
 from lit_rl.memory.tactics import TACTICS
 from lit_rl.memory.units import GIB
 
@@ -168,8 +169,8 @@ class OOMReport(Callback):
             what, how = tactic.what, tactic.how.replace(" {value}", "")
             if name == "micro_batch" and micro:
                 how = ", ".join(f"lower {k} (now {v})" for k, v in micro.items())
-            if name == "empty_cache" and trainer.strategy.root_device.type != "cuda":
-                what += " (CUDA only)"
+            if name == "empty_cache" and trainer.strategy.root_device.type != "cuda" and why_not_glibc():
+                what += " (CUDA, or glibc on CPU: a no-op here)"
             saving = savings.get(name)
             tactics.append(
                 {

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-__all__ = ["StageStats", "peak_rss_stage", "probe_rss_source", "read_peak_rss", "reset_peak_rss"]
+__all__ = ["StageStats", "peak_rss_stage", "probe_rss_source", "read_peak_rss", "read_rss", "reset_peak_rss"]
 
 
 def reset_peak_rss() -> bool:
@@ -48,14 +48,7 @@ def read_peak_rss(source: str | None) -> int | None:
         Bytes, or ``None`` when the source cannot be read here (or is ``None`` or unknown).
     """
     if source == "vmhwm":
-        try:
-            with open("/proc/self/status") as f:
-                for line in f:
-                    if line.startswith("VmHWM:"):
-                        return int(line.split()[1]) * 1024  # kB
-        except OSError:
-            return None
-        return None
+        return _proc_status_bytes("VmHWM:")
     if source == "getrusage":
         try:
             import resource
@@ -63,6 +56,23 @@ def read_peak_rss(source: str | None) -> int | None:
             return None
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, kB on Linux
+    return None
+
+
+def read_rss() -> int | None:
+    """The current RSS of this process in bytes (``VmRSS`` from ``/proc/self/status``), or ``None`` off Linux."""
+    return _proc_status_bytes("VmRSS:")
+
+
+def _proc_status_bytes(field: str) -> int | None:
+    """A ``kB`` field of ``/proc/self/status`` in bytes; ``None`` where the file or the field is missing."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field):
+                    return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        return None
     return None
 
 

@@ -53,8 +53,9 @@ TACTICS: dict[str, Tactic] = {
         ),
         Tactic(
             "empty_cache",
-            "return reserved-but-unused allocator blocks after rollout/reference (helps when the error reports much "
-            "memory 'reserved but unallocated'); costs a sync and re-allocation stalls",
+            "return the allocator's cached memory at phase ends: CUDA's reserved-but-unused blocks (helps when the "
+            "error reports much memory 'reserved but unallocated'; costs a sync and re-allocation stalls), or on CPU "
+            "glibc's freed heap pages (malloc_trim; costs page faults when the memory is touched again)",
             "--config callbacks/empty_cache.yaml",
             estimated=False,
         ),
