@@ -234,8 +234,9 @@ def table(args: argparse.Namespace, results: dict[str, dict[str, dict]], wall: f
         "Load-independent: peak RSS, tensor peak, baseline, ratio (bytes; the peak RSS of the rounds differed by "
         "'spread'). Load-dependent: wall and CPU seconds per step and their ratios to `none` of the same workload "
         "(the load column is the mean load average at the start and end of each run; the machine is shared). CPU "
-        "seconds (user + system, all threads) are far less sensitive to other processes than wall seconds, and the "
-        "allocator's own cost (page faults, mmap/munmap, madvise) is system time: the 5% rule is judged on CPU.",
+        "seconds are user + system, all threads; on an oversubscribed machine they include OpenMP spin-waiting. "
+        "The allocator's own cost (page faults, mmap/munmap, madvise) is the system seconds, the least "
+        "load-sensitive time column.",
     ]
     for workload, rows in results.items():
         ref = rows["none"]
