@@ -116,7 +116,7 @@ def _option_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--device",
         choices=("cpu", "cuda"),
-        help="which kernels to mirror (AdamW per tensor on cpu, foreach on cuda); default: from trainer.accelerator",
+        help="which kernels to mirror (an AdamW that is not fused: per tensor on cpu, foreach on cuda); default: from trainer.accelerator",
     )
     parser.add_argument(
         "--padded",

@@ -262,3 +262,12 @@ def test_bf16_true_trains_and_keeps_log_prob_math_in_float32():
     ids = torch.randint(3, 90, (2, 8))
     stats = method.completion_stats(method.policy, ids, torch.ones_like(ids), 5, temperature=1.0)
     assert stats.logp.dtype == torch.float32 and stats.entropy.dtype == torch.float32
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_adamw_is_fused_except_where_lightning_cannot_clip_it(precision):
+    method = _method(max_grad_norm=1.0)
+    trainer = _trainer(precision=precision)
+    trainer.fit(method, _data())  # clipping runs every step: a fused optimizer under mixed precision would raise
+    assert trainer.global_step == 1
+    assert method.optimizer().param_groups[0]["fused"] is (True if precision == "32-true" else None)

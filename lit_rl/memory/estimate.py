@@ -36,10 +36,10 @@ Where a prediction can differ from a measurement:
   does: a batch of several prompts is left-padded (mask built), a single prompt repeated
   ``num_generations`` times is not (``padded``).
 - Kernels are the CPU ones. SDPA's CPU flash kernel saves the output and the log-sum-exp, like CUDA's
-  flash and memory-efficient kernels, so attention activations match; AdamW updates one tensor at a time
-  on CPU but uses ``foreach`` on CUDA, which holds temporaries the size of all trainable weights:
-  ``device_type="cuda"`` switches to ``foreach`` to predict that. Mixed precision autocasts with the CPU
-  autocast op lists.
+  flash and memory-efficient kernels, so attention activations match. The methods' AdamW is fused on CPU and
+  CUDA alike; an optimizer that is not fused updates one tensor at a time on CPU but uses ``foreach`` on CUDA,
+  which holds temporaries the size of all trainable weights: ``device_type="cuda"`` switches such an optimizer
+  to ``foreach`` to predict that. Mixed precision autocasts with the CPU autocast op lists.
 """
 
 from __future__ import annotations
@@ -108,7 +108,8 @@ def estimate_step(
         activation_checkpointing: 0 for off, else checkpoint every n-th decoder layer of the policy (the
             :class:`~lit_rl.callbacks.ActivationCheckpointing` callback's ``every_n_layers``).
         padded: whether prompts are left-padded (the attention mask is built); ``None``: when ``batch_size > 1``.
-        device_type: ``cpu`` or ``cuda``: which AdamW implementation to mirror (per tensor / ``foreach``).
+        device_type: ``cpu`` or ``cuda``: which AdamW implementation to mirror when it is not fused (per tensor /
+            ``foreach``).
         full_decode: run every decode step of ``generate`` (see :mod:`lit_rl.memory.fake`).
         **overrides: hyper-parameters to change (``micro_batch_size=4``, ``lora=LoraSettings()``, ...).
 
@@ -146,9 +147,12 @@ def estimate_step(
         if activation_checkpointing:
             enable_activation_checkpointing(method.policy, activation_checkpointing)
         optimizer = _the_optimizer(method.configure_optimizers())
-        if device_type == "cuda":  # what torch picks for CUDA tensors
+        if autocast_dtype is not None:  # a real run under mixed precision gets no fused AdamW (no trainer here)
             for group in optimizer.param_groups:
-                group["foreach"] = True
+                group["fused"] = False
+        if device_type == "cuda":  # what torch picks for CUDA tensors when the optimizer is not fused
+            for group in optimizer.param_groups:
+                group["foreach"] = not group.get("fused")
         method.attach_optimizer(optimizer)
         method.policy.generate = fake_generate(method.policy, record, padded=padded, full_decode=full_decode)
         run = _run_step(method, optimizer, batch_size, prompt_length, cast_dtype, autocast_dtype)
