@@ -43,6 +43,7 @@ sys.path.insert(0, str(ROOT))
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
 from lit_rl.callbacks import MemoryProfiler  # noqa: E402
 from lit_rl.cli import parse_fit_config  # noqa: E402
@@ -120,7 +121,11 @@ def measure(args: list[str], steps: int = 2) -> tuple[object, dict, list[tuple[i
             enable_checkpointing=False,
             enable_progress_bar=False,
             enable_model_summary=False,
-            callbacks=[profiler, *(trainer_config.get("callbacks") or [])],
+            # the configs' own callbacks (activation checkpointing, ...), not their checkpoint saving
+            callbacks=[
+                profiler,
+                *(c for c in trainer_config.get("callbacks") or [] if not isinstance(c, ModelCheckpoint)),
+            ],
             default_root_dir=tmp,
         )
         trainer.fit(module, datamodule)
