@@ -39,17 +39,16 @@ class EmptyCache(Callback):
 
     **On CPU with glibc** (Linux) it calls ``malloc_trim(0)``, which returns every whole free page of glibc's
     heaps to the OS. glibc keeps freed blocks below its (dynamic, up to 32 MiB) mmap threshold, so without it
-    the process RSS holds every activation, KV cache and gradient temporary the step ever freed (issue 11: a
-    LoRA step with a 0.85 GiB tensor peak at 3.5 GiB RSS). *Saving* and *cost* are measured by
-    ``bench/bench_allocator.py`` (table in ``bench/results/allocator.md``): trimming at every phase end lowers
+    the process RSS holds activations, KV caches and gradient temporaries the step freed. *Saving* and *cost* are
+    measured by ``bench/bench_allocator.py`` (table in ``bench/results/allocator.md``): trimming at every phase end lowers
     the peak RSS between phases but not within one; each call costs the page faults of re-touching the
     released pages in the next phase.
 
     ``mmap_threshold`` / ``trim_threshold`` additionally fix glibc's thresholds in ``setup`` (``mallopt``),
     the run-time form of ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_``: every block above the mmap
     threshold then goes back to the OS as soon as it is freed, inside a phase too. *Saving*: the lowest RSS of
-    all options. *Cost*: an ``mmap``/``munmap`` pair and fresh page faults for every large allocation (issue
-    11: ~24% longer steps at 64 KiB); see the benchmark table. Process-wide and for the rest of the process.
+    all options. *Cost*: an ``mmap``/``munmap`` pair and fresh page faults for every large allocation (+37% step
+    time at 64 KiB on ``configs/grpo.yaml``, against +8% for trimming at every phase end); see the table. Process-wide and for the rest of the process.
     Blocks allocated before ``setup`` (``import torch``) stay where they are.
 
     Elsewhere (macOS, musl, Windows) the CPU work is a no-op that says once why.
