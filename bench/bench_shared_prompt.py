@@ -24,7 +24,6 @@ Run (prints a markdown table; about 6 minutes on 2 quiet CPU cores with these se
 from __future__ import annotations
 
 import argparse
-import glob
 import os
 import platform
 import shlex
@@ -34,20 +33,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+from plot_run import read_scalars  # bench/ is on the path when this runs as a script
+
 ROOT = Path(__file__).resolve().parents[1]
 PHASES = ("rollout", "reference", "policy_forward", "backward", "optimizer")
-
-
-def read_scalars(root: str) -> dict[str, list[float]]:
-    """Every scalar of the newest TensorBoard event file under ``root``, in step order."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    files = sorted(glob.glob(f"{root}/**/events.out.tfevents*", recursive=True), key=os.path.getmtime)
-    if not files:
-        raise SystemExit(f"no TensorBoard events under {root}: the run failed, see its log there")
-    events = EventAccumulator(files[-1], size_guidance={"scalars": 0})
-    events.Reload()
-    return {tag: [e.value for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
 
 
 def run_fit(checkout: Path, variant: list[str], steps: int, config: str, extra: list[str]) -> dict[str, list[float]]:
@@ -63,17 +52,15 @@ def run_fit(checkout: Path, variant: list[str], steps: int, config: str, extra: 
         done = subprocess.run(cmd, cwd=checkout, env=env, stdout=log, stderr=subprocess.STDOUT)
     if done.returncode:
         raise SystemExit(f"{shlex.join(cmd)} failed ({done.returncode}); its output is in {root}/fit.log")
-    return read_scalars(root)
-
-
-def median_after_first(values: list[float]) -> float:
-    return statistics.median(values[1:] if len(values) > 1 else values)
+    keys = [f"time/{phase}_s" for phase in PHASES] + ["reward/mean"]
+    series = read_scalars(str(Path(root) / "lightning_logs" / "version_0"), keys)  # [(step, value)] per key
+    return {key: [value for _, value in pairs] for key, pairs in series.items()}
 
 
 def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=6, help="optimizer steps per run")
-    parser.add_argument("--rounds", type=int, default=2, help="A B pairs (shared, plain) run in turn")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds of the variants, run in turn")
     parser.add_argument("--config", default="configs/grpo.yaml")
     parser.add_argument(
         "--before", help="also run the code and config of this git commit (e.g. the one before a change)"
