@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from lit_rl.data.density import EmbeddingCache, StaleEmbeddingCacheError, density_weights_for
 from lit_rl.data.heldout import split_held_out
+from lit_rl.data.sentiment import review_openings
 from lit_rl.data.tasks import arithmetic_prompts, read_records
 
 _SUBCOMMANDS = ("fit", "validate", "test", "predict")
@@ -62,20 +63,24 @@ class _Records(Dataset):
 
 
 class PromptDataModule(L.LightningDataModule):
-    """Prompts from the built-in arithmetic task or a local JSONL / Parquet file, sampled uniformly or by density.
+    """Prompts from a built-in task or a local JSONL / Parquet file, sampled uniformly or by density.
 
     Each batch is a dict: ``input_ids`` and ``attention_mask`` ``[B, P]`` (left-padded, so generation
     continues every row at the same position), ``prompts`` (the templated strings), ``answers``,
     ``index`` (dataset rows) and ``num_truncated`` (prompts cut to ``max_prompt_length``).
 
     Args:
-        source: ``arithmetic`` for the generated task, or a path to a ``.jsonl`` / ``.parquet`` file.
+        source: ``arithmetic`` (generated questions with integer answers), ``reviews`` (movie-review openings to
+            continue, answers are the opening's tone; see :mod:`lit_rl.data.sentiment`, whose fixed held-out fifth
+            ``val_size`` draws from), or a path to a ``.jsonl`` / ``.parquet`` file.
         prompt_field: column holding the prompt text (files only).
         answer_field: column holding what reward functions compare against; ``null`` when no reward needs it.
-        num_prompts: how many arithmetic questions to generate.
+        num_prompts: how many arithmetic questions or review openings to generate.
         difficulty: arithmetic difficulty, 1 (single-digit addition) to 5.
-        instruction: appended to every prompt (the arithmetic task asks for just the number).
+        instruction: appended to every prompt (the arithmetic task asks for just the number); ``null`` for none.
         system_prompt: optional system message.
+        chat_template: wrap each prompt in the tokenizer's chat template as a user turn; ``false`` gives the model
+            the prompt text as it is, to continue (the review task: the completion continues the opening).
         batch_size: prompts per step; each is completed ``num_generations`` times by the method.
         max_prompt_length: prompts longer than this many tokens are cut from the left (and counted in
             ``prompts/truncated``) or rejected, see ``truncation``.
@@ -104,6 +109,7 @@ class PromptDataModule(L.LightningDataModule):
         difficulty: int = 1,
         instruction: str | None = "Answer with just the number.",
         system_prompt: str | None = None,
+        chat_template: bool = True,
         batch_size: int = 4,
         max_prompt_length: int = 256,
         truncation: Literal["left", "error"] = "left",
@@ -157,11 +163,15 @@ class PromptDataModule(L.LightningDataModule):
         """Read or generate the prompt records (cached after the first call)."""
         if self.records is None:
             hp = self.hparams
-            if hp.source == "arithmetic":
+            if hp.source == "reviews":  # the task's own held-out texts, which its reward model never saw either
+                self.records = review_openings(hp.num_prompts, split="train", seed=hp.seed)
+                self.held_out = review_openings(hp.val_size, split="heldout", seed=hp.seed) if hp.val_size else []
+            elif hp.source == "arithmetic":
                 self.records = arithmetic_prompts(hp.num_prompts, difficulty=hp.difficulty, seed=hp.seed)
             else:
                 self.records = read_records(hp.source, prompt_field=hp.prompt_field, answer_field=hp.answer_field)
-            self.records, self.held_out = split_held_out(self.records, hp.val_size, seed=hp.seed)
+            if hp.source != "reviews":
+                self.records, self.held_out = split_held_out(self.records, hp.val_size, seed=hp.seed)
             if hp.val_source is not None:
                 self.held_out = read_records(hp.val_source, prompt_field=hp.prompt_field, answer_field=hp.answer_field)
         return self.records
@@ -176,9 +186,11 @@ class PromptDataModule(L.LightningDataModule):
 
     # ------------------------------------------------------------------ formatting
     def format_prompt(self, prompt: str) -> str:
-        """The text the model sees: instruction appended, chat template applied when the tokenizer has one."""
+        """The text the model sees: instruction appended, chat template applied when set and the tokenizer has one."""
         hp = self.hparams
         content = f"{prompt} {hp.instruction}" if hp.instruction else prompt
+        if not hp.chat_template:
+            return content  # continued as it is: no newline that would end the sentence
         if getattr(self.tokenizer, "chat_template", None):
             messages = [{"role": "system", "content": hp.system_prompt}] if hp.system_prompt else []
             messages.append({"role": "user", "content": content})
