@@ -14,8 +14,10 @@ the last batch of a rank with repeated prompts when the held-out set does not sp
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -65,6 +67,19 @@ class EvalSettings:
             )
         if self.max_new_tokens is not None and self.max_new_tokens < 1:
             raise ValueError(f"model.evaluation.max_new_tokens must be >= 1 or null, got {self.max_new_tokens}")
+
+
+def distinct_bigrams(ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """``[B]`` share of distinct token bigrams among each row's bigrams (distinct-2, Li et al. 2016, arXiv 1510.03055).
+
+    A degeneration signal: text that loops on a phrase falls toward 0, varied text stays near 1. Rows of ``ids
+    [B, C]`` are read up to their ``lengths [B]``; a row with fewer than two tokens has no bigram and scores 1.
+    """
+    out = []
+    for row, n in zip(ids.tolist(), lengths.long().tolist()):
+        pairs = list(zip(row[: n - 1], row[1:n]))
+        out.append(len(set(pairs)) / len(pairs) if pairs else 1.0)
+    return torch.tensor(out, dtype=torch.float32)
 
 
 def pass_at_k(n: int, c: torch.Tensor, k: int) -> torch.Tensor:
@@ -123,7 +138,11 @@ class HeldOutEvaluation:
     **Logged Metrics** (per evaluation, at the training step it follows; ``test/`` instead of ``val/`` for
     ``lit-rl test``): ``val/<function>`` (mean score of each reward and metric function over every held-out
     completion), ``val/<function>/pass@<k>`` (with ``num_samples > 1``), ``val/completions/mean_length``,
-    ``val/completions/clipped_ratio``.
+    ``val/completions/clipped_ratio``, ``val/completions/distinct_bigrams`` (see :func:`distinct_bigrams`).
+
+    Each evaluation also writes its completions, one JSON line per completion with its prompt and scores, to
+    ``heldout/<val|test>_step<N>.jsonl`` in the run's log folder (``_rank<r>`` added per process under DDP), so
+    what the scores mean can be read, and a scorer that is not part of the run can be applied afterwards.
 
     The host provides ``policy``, ``tokenizer``, ``eos_ids()``, ``decode()``, ``score_functions()``,
     ``metric_names`` / ``metric_fns`` (and optionally ``reward_names`` / ``reward_fns``) and
@@ -204,6 +223,7 @@ class HeldOutEvaluation:
         values: dict[str, torch.Tensor] = {
             "completions/mean_length": lengths.float(),
             "completions/clipped_ratio": clipped,
+            "completions/distinct_bigrams": distinct_bigrams(completion, lengths),
         }
         for i, name in enumerate(names):
             values[name] = scores[:, i]
@@ -212,6 +232,11 @@ class HeldOutEvaluation:
                 values[f"{name}/pass@{k}"] = pass_at_k(n, passed, k)
         for name, value in values.items():
             self.held_out_metric(prefix, name).update(value.to(self.device))
+        prompts = [p for p in batch["prompts"] for _ in range(n)]
+        rows = self.__dict__.setdefault("_held_out_rows", [])  # a plain list: not saved in checkpoints
+        for i, (prompt, text) in enumerate(zip(prompts, texts)):
+            scored = {k: round(float(v[i]), 4) for k, v in values.items() if "/pass@" not in k}  # pass@k: per prompt
+            rows.append({"prompt": prompt, "completion": text, **scored})
 
     def held_out_metric(self, prefix: str, name: str) -> MeanMetric:
         """The running mean behind ``<prefix>/<name>`` (created on first use, on the module's device)."""
@@ -231,5 +256,19 @@ class HeldOutEvaluation:
                 values[key] = metric.compute()  # all ranks' sums and counts
         if values and not self.trainer.sanity_checking:
             self.log_dict(values, on_step=False, on_epoch=True, sync_dist=False)  # already reduced over ranks
+            self._write_held_out_rows(prefix)
+        self.__dict__["_held_out_rows"] = []
         self.last_evaluation = {k: float(v) for k, v in values.items()}
         return self.last_evaluation
+
+    def _write_held_out_rows(self, prefix: str) -> None:
+        """This evaluation's completions as JSON lines in ``<log dir>/heldout/``, one file per evaluation."""
+        rows = self.__dict__.get("_held_out_rows", [])
+        trainer = self.trainer
+        folder = trainer.log_dir or trainer.default_root_dir
+        if not rows or folder is None:
+            return
+        rank = f"_rank{trainer.global_rank}" if trainer.world_size > 1 else ""
+        path = Path(folder) / "heldout" / f"{prefix}_step{trainer.global_step:06d}{rank}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")

@@ -27,7 +27,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lit_rl.losses import LOSS_TYPES, SCALE_REWARDS, frac_zero_std, group_advantages, grpo_loss, masked_mean
 from lit_rl.memory.phases import BACKWARD, OPTIMIZER
 from lit_rl.methods.base import RLMethod
-from lit_rl.methods.evaluation import sample_completions
+from lit_rl.methods.evaluation import distinct_bigrams, sample_completions
 from lit_rl.models import head_spec, trunk_hidden
 from lit_rl.models.shared_prompt import group_runs, shared_prompt_hidden, shared_prompt_unsupported
 from lit_rl.ops import TokenStats, token_stats
@@ -66,7 +66,8 @@ class RefCachedGRPO(RLMethod):
 
     **Logged Metrics**: ``reward/mean``, ``reward/std``, ``reward/<function>/mean``, ``kl/mean``,
     ``clip_ratio/low_mean``, ``clip_ratio/high_mean``, ``clip_ratio/region_mean``, ``entropy/mean``,
-    ``completions/mean_length``, ``completions/clipped_ratio``, ``frac_reward_zero_std``, ``loss``,
+    ``completions/mean_length``, ``completions/clipped_ratio``, ``completions/distinct_bigrams``,
+    ``frac_reward_zero_std``, ``loss``,
     ``prompts/truncated``, ``train/nonfinite_steps``, ``metric/<function>/mean``, ``time/<phase>_s``.
 
     Args:
@@ -243,6 +244,7 @@ class RefCachedGRPO(RLMethod):
             {
                 "completions/mean_length": lengths.mean().item(),
                 "completions/clipped_ratio": truncated.float().mean().item(),
+                "completions/distinct_bigrams": distinct_bigrams(completion_ids, lengths).mean().item(),
                 "prompts/truncated": float(batch.get("num_truncated", 0)),
             }
         )
