@@ -5,7 +5,7 @@ lit-rl fit --config configs/grpo.yaml
 lit-rl fit --config configs/grpo.yaml --config callbacks/memory_profiler.yaml --trainer.max_steps 5
 lit-rl fit --model.help RefCachedGRPO
 lit-rl embed --config configs/grpo_density.yaml      # offline embedding cache for density sampling
-lit-rl reward-model                                  # train the embedded arithmetic reward model (GumbelTopK)
+lit-rl reward-model                                  # refit the built-in sentiment reward model (GumbelTopK)
 lit-rl validate --config configs/grpo.yaml --ckpt_path runs/grpo/.../last.ckpt   # held-out scores of a checkpoint
 lit-rl export --ckpt_path runs/grpo/.../last.ckpt --out grpo-arith               # a from_pretrained folder
 
@@ -390,7 +390,7 @@ def main(argv: list[str] | None = None) -> None:
 EXTRA_SUBCOMMANDS = {
     "estimate": "predict the per-phase peak memory of a config's step, without loading weights (padded upper bound)",
     "embed": "write the prompt-embedding cache that density sampling reuses",
-    "reward-model": "train the embedded arithmetic reward model (GumbelTopK's default reward)",
+    "reward-model": "refit the built-in sentiment reward model (GumbelTopK's default reward) and report its agreement",
     "export": "write a checkpoint's policy as a Hugging Face folder (merged weights, or the LoRA adapter)",
 }
 

@@ -1,4 +1,4 @@
-"""Reward models read soft tokens as a sparse gather; the built-in arithmetic reward model trains on tiny models."""
+"""Reward models read soft tokens as a sparse gather; the built-in sentiment reward model trains on tiny models."""
 
 from __future__ import annotations
 
@@ -82,11 +82,52 @@ def test_sparse_equals_dense_value_and_gradient_float64(reward_folder):
     assert grad_sparse[1, 3:].abs().max() == 0  # masked positions after the end do not reach the score
 
 
-def test_every_prefix_score_equals_the_score_of_that_prefix_float64(reward_folder):
+def test_mean_pooled_sparse_score_equals_a_plain_mean_of_the_head_value_and_gradient_float64(reward_folder, tmp_path):
+    from safetensors.torch import save_file
+
+    from lit_rl.models.reward import pooling
+
+    folder, tok = reward_folder
+    head = torch.randn(1, 32, generator=torch.Generator().manual_seed(3))  # [1, H]
+    save_file({"score.weight": head}, tmp_path / "head.safetensors", metadata={"pooling": "mean"})
+    model = load_reward_model(str(folder), policy_tokenizer=tok, head_file=str(tmp_path / "head.safetensors"))
+    assert pooling(model) == "mean" and torch.equal(model.score.weight, head)
+    model = model.double()
+    B, C, k = 3, 5, 3
+    V = model.get_input_embeddings().num_embeddings
+    g = torch.Generator().manual_seed(4)
+    input_ids, prompt_mask = _left_padded_prompts([5, 2, 4], V, tok.pad_token_id, g)  # [B, P]
+    completion_mask = torch.ones(B, C, dtype=torch.long)  # [B, C]
+    completion_mask[0, 2:] = 0  # ended after two tokens
+    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)  # [B, P + C]
+    soft_indices = torch.stack([torch.randperm(V - 3, generator=g)[:k] + 3 for _ in range(B * C)]).view(B, C, k)
+    weights = torch.randn(B, C, k, generator=g, dtype=torch.float64).softmax(-1).requires_grad_(True)  # [B, C, k]
+    sparse = forward_soft_sparse(model, input_ids, soft_indices, weights, attention_mask)  # [B]
+    (grad_sparse,) = torch.autograd.grad(sparse.sum(), weights)
+
+    E = model.get_input_embeddings().weight  # [V, H]
+    w = weights.detach().clone().requires_grad_(True)
+    embeds = (w[..., None] * E[soft_indices]).sum(-2)  # [B, C, H]
+    plain = []
+    for b in range(B):  # each row alone, no padding: the head at each completion token, averaged
+        n = int(completion_mask[b].sum())
+        row = torch.cat([E[input_ids[b, prompt_mask[b].bool()]], embeds[b, :n]])  # [P_b + n, H]
+        hidden = model.model(inputs_embeds=row[None])[0][0, -n:]  # [n, H]
+        plain.append((hidden @ model.score.weight[0]).mean())
+    plain = torch.stack(plain)  # [B]
+    (grad_plain,) = torch.autograd.grad(plain.sum(), w)
+    torch.testing.assert_close(sparse.double(), plain, rtol=0, atol=1e-9)
+    torch.testing.assert_close(grad_sparse, grad_plain, rtol=1e-9, atol=1e-12)
+    assert grad_sparse[0, 2:].abs().max() == 0
+
+
+@pytest.mark.parametrize("mode", ["last", "mean"])
+def test_every_prefix_score_equals_the_score_of_that_prefix_float64(reward_folder, mode):
     from lit_rl.models import score_every_prefix, soft_embeddings
 
     B, C, k = 3, 5, 4
     model, V, g, input_ids, prompt_mask = _float64_model_and_prompts(reward_folder, [6, 3, 5], seed=2)
+    model.score_pooling = mode
     soft_indices = torch.stack([torch.randperm(V - 3, generator=g)[:k] + 3 for _ in range(B * C)]).view(B, C, k)
     weights = torch.randn(B, C, k, generator=g, dtype=torch.float64).softmax(-1).requires_grad_(True)  # [B, C, k]
     embeds = soft_embeddings(model.get_input_embeddings(), soft_indices, weights)  # [B, C, H]
@@ -194,7 +235,7 @@ def test_tiny_architectures_pass_the_parity_check(arch):
     assert score.shape == (2,) and torch.isfinite(score).all()
 
 
-# ---------------------------------------------------------------- the built-in arithmetic reward model (tiny trunk)
+# ---------------------------------------------------------------- the built-in sentiment reward model (tiny trunk)
 def test_features_equal_a_plain_forward_and_the_soft_sparse_score():
     from lit_rl.data.reward_fit import extract_features
     from lit_rl.data.reward_model import build_classifier, score_soft_sparse
@@ -225,41 +266,35 @@ def model_with_soft(model):
     return model
 
 
-def test_heldout_questions_are_never_trained_on_and_labels_come_from_the_checker():
-    from lit_rl.data import PromptDataModule
-    from lit_rl.data.reward_model import build_groups, question_records
-    from lit_rl.data.rewards import correct_answer
+def test_training_continuations_are_cut_at_random_lengths_and_labelled_by_vader():
+    from lit_rl.data.reward_model import cut_at_random_lengths
+    from lit_rl.data.sentiment import vader_positive
 
-    train = question_records(60, heldout=False, difficulties=(1, 2, 3), seed=0)
-    held = question_records(30, heldout=True, difficulties=(1, 2, 3), seed=1)
-    assert len(train) == 60 and len(held) == 30
-    assert not {r["prompt"] for r in train} & {r["prompt"] for r in held}
     tok = tiny_tokenizer()
-    formatter = PromptDataModule()
-    formatter.connect(tok)
-    groups, labels = build_groups(train[:10], tok, formatter, 8, seed=0)
-    assert labels.shape == (80,) and 0.2 < labels.float().mean() < 0.8
-    prompt_ids, completions = groups[0]
-    assert tok.decode(prompt_ids) == formatter.format_prompt(train[0]["prompt"])
-    texts = [tok.decode(c, skip_special_tokens=True) for c in completions]
-    assert labels[:8].tolist() == correct_answer(texts, [train[0]["answer"]] * 8)
+    long = tok(" a wonderful film with great acting and a lovely story", add_special_tokens=False)["input_ids"]
+    groups = [([5, 6], [long] * 40)]
+    cut, texts = cut_at_random_lengths(groups, tok, min_tokens=3, seed=0)
+    lengths = [len(c) for c in cut[0][1]]
+    assert min(lengths) >= 3 and max(lengths) == len(long) and len(set(lengths)) > 3, "whole, and cut in many places"
+    assert texts == tok.batch_decode(cut[0][1], skip_special_tokens=True)
+    assert 0 < sum(vader_positive(texts)) < len(texts), "a prefix can lose the word that made it positive"
 
 
-def test_train_writes_a_loadable_reward_model_with_its_metrics(tmp_path):
-    from lit_rl.data.reward_model import META_FILE, train_arithmetic_reward_model
+def test_train_writes_a_loadable_head_with_its_metrics(tmp_path):
+    from lit_rl.data.reward_model import HEAD_FILE, META_FILE, train_sentiment_reward_model
 
     out = tmp_path / "rm"
-    meta = train_arithmetic_reward_model(
-        out, base="tiny:llama", num_train=48, num_policy_train=16, num_heldout=16, policy_samples=8, max_new_tokens=4
+    meta = train_sentiment_reward_model(
+        out, base="tiny:llama", num_train_prompts=8, num_heldout_prompts=4, max_new_tokens=5
     )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rm"]  # no temporary folder left behind
+    assert sorted(p.name for p in out.iterdir()) == [HEAD_FILE, META_FILE], "the head only: kilobytes, not a model"
     saved = json.loads((out / META_FILE).read_text())
-    assert saved["num_train"] == 48 and saved["num_policy_train"] == 16 and saved["heldout"]["last_token"]["n"] == 16
-    assert set(saved["heldout"]) == {"last_token", "by_difficulty", "mean_pooled_diagnostic"}
-    assert saved["policy_samples"]["last_token"]["n"] == 8
-    assert saved["policy_samples"]["feature_path_max_abs_diff"] < 1e-4
-    model = load_reward_model(str(out), policy_tokenizer=tiny_tokenizer())
-    assert model.score.weight.abs().sum() > 0 and meta["l2"] == saved["l2"]
+    assert saved["train_pairs"] == 32 and saved["heldout"]["agreement"]["n"] == 16
+    assert saved["heldout"]["feature_path_max_abs_diff"] < 1e-4, "the saved head scores as the fitted features say"
+    assert saved["l2"] == meta["l2"] and len(saved["heldout"]["examples"]) == 16
+    model = load_reward_model("tiny:llama", policy_tokenizer=tiny_tokenizer(), head_file=str(out / HEAD_FILE))
+    assert model.score.weight.abs().sum() > 0
 
 
 def test_an_interrupted_run_leaves_no_folder(tmp_path, monkeypatch):
@@ -270,31 +305,19 @@ def test_an_interrupted_run_leaves_no_folder(tmp_path, monkeypatch):
 
     monkeypatch.setattr(reward_model, "score_soft_sparse", interrupted)  # runs once the folder is half written
     with pytest.raises(KeyboardInterrupt):
-        reward_model.train_arithmetic_reward_model(
-            tmp_path / "rm", base="tiny:llama", num_train=16, num_policy_train=0, num_heldout=8, policy_samples=8
+        reward_model.train_sentiment_reward_model(
+            tmp_path / "rm", base="tiny:llama", num_train_prompts=4, num_heldout_prompts=2, max_new_tokens=3
         )
     assert list(tmp_path.iterdir()) == []
-
-
-def test_embedded_path_reuses_the_cache_and_says_how_to_make_it(tmp_path, monkeypatch):
-    from lit_rl.data.reward_model import META_FILE, embedded_reward_model_path
-
-    monkeypatch.setenv("LIT_RL_CACHE", str(tmp_path))
-    with pytest.raises(FileNotFoundError, match="lit-rl reward-model"):
-        embedded_reward_model_path(train_if_missing=False)
-    folder = tmp_path / "SmolLM2-135M-Instruct-arithmetic-rm"
-    folder.mkdir()
-    (folder / META_FILE).write_text("{}")
-    assert embedded_reward_model_path() == folder
 
 
 def test_main_trains_and_refuses_a_foreign_folder(tmp_path, capsys):
     from lit_rl.data.reward_model import main
 
-    small = ["--num-train", "16", "--num-policy-train", "8", "--num-heldout", "8", "--difficulties", "1", "2"]
+    small = ["--num-train-prompts", "4", "--num-heldout-prompts", "2", "--max-new-tokens", "3", "--seed", "1"]
     main(["--base", "tiny:llama", "--out", str(tmp_path / "rm"), *small])
     saved = json.loads((tmp_path / "rm" / "reward_model.json").read_text())
-    assert saved["difficulties"] == [1, 2] and saved["num_policy_train"] == 8
+    assert saved["settings"]["seed"] == 1 and saved["settings"]["num_train_prompts"] == 4
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "notes.txt").write_text("mine")
     with pytest.raises(SystemExit, match=r"^error: lit-rl reward-model: .* holds no reward_model.json"):

@@ -1,26 +1,24 @@
-"""The built-in arithmetic reward model: a linear score head on the frozen embedded SmolLM2 trunk.
+"""The built-in sentiment reward model: a linear score head on the frozen embedded SmolLM2 trunk, shipped with lit-rl.
 
 GumbelTopK backpropagates a reward model's score into the policy, so its default config needs a
-differentiable reward that shares the policy's vocabulary and runs offline on a CPU. This module
-makes one from what is already installed: (prompt, completion) pairs on the built-in arithmetic task
-(prompts formatted exactly as :class:`~lit_rl.data.PromptDataModule` formats them), with synthetic
-completions (the right or a nearby wrong number in several phrasings, or cut-off reasoning) and
-completions the policy itself samples, all labelled by the true checker
-:func:`~lit_rl.data.rewards.correct_answer`; the frozen trunk's hidden state at the last token of each
-pair (computed once, prompts cached); and a logistic fit of the ``score`` head on those features. Only
-the head is trained; the trunk is a copy of the policy's weights.
+differentiable reward that shares the policy's vocabulary and runs offline on a CPU. As in GRADE
+(arXiv 2601.11574), it is the frozen base plus a small head: here a linear ``score`` head whose score is
+averaged over the continuation's tokens (``pooling: mean``; read at the last token alone, a 135M trunk's hidden
+state says little about the words before it). It is fitted on what the policy itself writes: continuations the embedded model samples
+from the training split of the review openings (:mod:`lit_rl.data.sentiment`), cut at random lengths,
+because GumbelTopK reads the score at every prefix of a completion. The labels are VADER's
+(``vader_positive``: compound >= 0.05 on the continuation alone); the features are the frozen trunk's
+hidden states averaged over each continuation (:mod:`lit_rl.data.reward_fit`); the head is a logistic fit.
 
-It is a stand-in for a real reward model, not a replacement for the checker: a linear read-out of a
-135M model's last hidden state agrees with the checker only partly. ``reward_model.json`` records the
-held-out accuracy and AUC (synthetic pairs and, with ``--policy-samples``, the policy's own samples).
-
-Run it with ``python -m lit_rl.data.reward_model --out DIR`` (``lit-rl reward-model`` once wired).
+The fitted head (kilobytes) ships inside the package, beside the ``reward_model.json`` that the fit
+wrote, with its agreement with the labeller on continuations of held-out openings, so a run never
+trains on first use. ``lit-rl reward-model`` repeats the fit (seeded) and says how far the new head
+is from the shipped one; ``--out lit_rl/data/heads/smollm2_sentiment`` replaces the shipped head.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import inspect
 import json
 import os
@@ -37,76 +35,25 @@ from tqdm.auto import tqdm
 
 from lit_rl.data.datamodule import PromptDataModule
 from lit_rl.data.reward_fit import agreement, choose_and_fit, extract_features, pad
-from lit_rl.data.rewards import correct_answer
-from lit_rl.data.tasks import arithmetic_prompts
-from lit_rl.models import EMBEDDED, EMBEDDED_NAME, TINY_PREFIX, cache_dir, load_tokenizer, resolve_source
+from lit_rl.data.sentiment import review_openings, vader_compound, vader_positive
+from lit_rl.models import EMBEDDED, TINY_PREFIX, load_tokenizer, resolve_source
 
 META_FILE = "reward_model.json"
-
-# completion templates, "|"-separated: {n} is the stated number, {a} {op} {b} the question
-_ANSWERS = (
-    "{n}|{n}.|**{n}**|Answer: {n}|The answer is {n}.|The correct answer is {n}.|{a} {op} {b} = {n}|"
-    "{a} {op} {b} = {n}.|{a} {op} {b} equals {n}.|{a} {op} {b} is {n}.|Sure! {a} {op} {b} makes {n}."
-).split("|")
-# what the sampled policy often writes instead: cut-off reasoning whose last number is an operand, or none
-_RAMBLES = (
-    "To solve this, we add {a} and {b}|{a} {op} {b} = ?|Let's think step by step. {a} {op} {b}|"
-    "This is a simple arithmetic problem|Here is the calculation:\n\n{a} {op} |The answer is {n}, because {a} {op} {b}"
-).split("|")
+HEAD_FILE = "head.safetensors"
+#: the head fitted on the embedded model's trunk, shipped inside the package (written by this module's ``main``)
+SHIPPED_HEAD_DIR = Path(__file__).parent / "heads" / "smollm2_sentiment"
 
 
-def is_heldout(question: str) -> bool:
-    """A fixed fifth of all questions (by hash), never trained on, whatever the sizes and seeds."""
-    return int(hashlib.md5(question.encode()).hexdigest(), 16) % 5 == 0
+def shipped_head_file() -> str:
+    """The ``.safetensors`` head of the built-in sentiment reward model on the embedded SmolLM2 trunk."""
+    return str(SHIPPED_HEAD_DIR / HEAD_FILE)
 
 
-def question_records(num: int, *, heldout: bool, difficulties: tuple[int, ...], seed: int) -> list[dict[str, Any]]:
-    """``num`` arithmetic records from the train or the held-out questions, levels in turn."""
-    records: list[dict[str, Any]] = []
-    for i, level in enumerate(difficulties):
-        want = num // len(difficulties) + (i < num % len(difficulties))
-        pool = arithmetic_prompts(20 * want + 100, difficulty=level, seed=seed * 1000 + level)
-        records += [{**r, "difficulty": level} for r in pool if is_heldout(r["prompt"]) == heldout][:want]
-    return records
-
-
-def _wrong_number(n: int, a: int, b: int, rng: random.Random) -> int:
-    choices = [n + 1, n - 1, n + 2, n - 2, n + 10, n - 10, a, b, int(str(abs(n))[::-1]), n + rng.randint(3, 9)]
-    choices = [c for c in choices if c != n and c >= 0]
-    return rng.choice(choices)
-
-
-def make_completions(record: dict[str, Any], per_prompt: int, rng: random.Random) -> list[tuple[str, bool]]:
-    """``per_prompt`` (text, ends-with-eos) completions: about 40% right, 40% a nearby wrong number, 20% rambling."""
-    a, op, b = record["prompt"].removeprefix("What is ").removesuffix("?").split()
-    n = int(record["answer"])
-    out = []
-    for _ in range(per_prompt):
-        u = rng.random()
-        if u < 0.2:
-            text, eos = rng.choice(_RAMBLES), rng.random() < 0.2
-            n_said = n if rng.random() < 0.5 else _wrong_number(n, int(a), int(b), rng)
-        else:
-            text, eos = rng.choice(_ANSWERS), rng.random() < 0.8
-            n_said = n if u < 0.6 else _wrong_number(n, int(a), int(b), rng)
-        out.append((text.format(n=n_said, a=a, op=op, b=b), eos))
-    return out
-
-
-def build_groups(records, tokenizer, formatter: PromptDataModule, per_prompt: int, seed: int):
-    """Token ids grouped by prompt, and the checker's label per completion (prompt order, then completion)."""
-    rng = random.Random(seed)
-    groups, labels = [], []
-    for record in records:
-        prompt = tokenizer(formatter.format_prompt(record["prompt"]), add_special_tokens=False)["input_ids"]
-        pairs = make_completions(record, per_prompt, rng)
-        completions = [
-            tokenizer(t, add_special_tokens=False)["input_ids"] + ([tokenizer.eos_token_id] if eos else [])
-            for t, eos in pairs
-        ]
-        groups.append((prompt, completions))
-        labels += correct_answer([t for t, _ in pairs], [record["answer"]] * len(pairs))
-    return groups, torch.tensor(labels)
+def review_formatter(tokenizer) -> PromptDataModule:
+    """A ``PromptDataModule`` that formats review openings exactly as the GumbelTopK and GRPO configs do."""
+    formatter = PromptDataModule(source="reviews", instruction=None, chat_template=False)
+    formatter.connect(tokenizer)
+    return formatter
 
 
 def build_classifier(base: str, *, seed: int = 0):
@@ -139,11 +86,10 @@ def build_classifier(base: str, *, seed: int = 0):
 def sample_policy_groups(
     policy, tokenizer, formatter, records, *, per_prompt, max_new_tokens, temperature, seed, prompts_per_batch=8
 ):
-    """Completions the policy samples (top-k off, as in the GRPO rollout), cut after the first EOS.
+    """Completions the policy samples (top-k off, as in the rollouts), cut after the first EOS.
 
     Returns:
-        ``(groups, labels, texts)``: ``(prompt_ids, [completion_ids, ...])`` per prompt, and per completion
-        the checker's label and the decoded text.
+        ``(groups, texts)``: ``(prompt_ids, [completion_ids, ...])`` per prompt, and each completion's decoded text.
     """
     from transformers import GenerationConfig
 
@@ -159,7 +105,7 @@ def sample_policy_groups(
     )
     torch.manual_seed(seed)
     eos = tokenizer.eos_token_id
-    groups, texts, answers = [], [], []
+    groups, texts = [], []
     for start in tqdm(range(0, len(records), prompts_per_batch), desc="policy samples", unit="batch", disable=None):
         chunk = records[start : start + prompts_per_batch]
         prompts = [
@@ -169,11 +115,30 @@ def sample_policy_groups(
         with torch.no_grad():
             out = policy.generate(input_ids=ids, attention_mask=mask, generation_config=config)  # [b*G, P + C]
         rows = [r[: r.index(eos) + 1] if eos in r else r for r in out[:, ids.shape[1] :].tolist()]
-        for i, (prompt, record) in enumerate(zip(prompts, chunk)):
+        rows = [r if r else [eos] for r in rows]  # an immediate EOS is still one token to read the score at
+        for i, prompt in enumerate(prompts):
             groups.append((prompt, rows[i * per_prompt : (i + 1) * per_prompt]))
-            answers += [record["answer"]] * per_prompt
         texts += tokenizer.batch_decode(rows, skip_special_tokens=True)
-    return groups, torch.tensor(correct_answer(texts, answers)), texts
+    return groups, texts
+
+
+def cut_at_random_lengths(groups, tokenizer, *, min_tokens: int, seed: int):
+    """Each completion cut after a uniformly drawn number of tokens (at least ``min_tokens``), or kept whole with
+    probability 1/2: GumbelTopK reads the score of every prefix, so the head must be right on prefixes too.
+
+    Returns:
+        ``(groups, texts)`` with the cut completions and their decoded texts.
+    """
+    rng = random.Random(seed)
+    out, texts = [], []
+    for prompt, completions in groups:
+        cut = []
+        for c in completions:
+            keep = len(c) if rng.random() < 0.5 or len(c) <= min_tokens else rng.randint(min_tokens, len(c))
+            cut.append(c[:keep])
+        out.append((prompt, cut))
+        texts += tokenizer.batch_decode(cut, skip_special_tokens=True)
+    return out, texts
 
 
 def score_soft_sparse(reward_model, groups, *, pad_id: int, batch_size: int = 32) -> torch.Tensor:
@@ -189,127 +154,116 @@ def score_soft_sparse(reward_model, groups, *, pad_id: int, batch_size: int = 32
     return torch.cat(scores)
 
 
-def train_arithmetic_reward_model(
+def train_sentiment_reward_model(
     out_dir: str | Path,
     *,
     base: str = EMBEDDED,
-    num_train: int = 1600,
-    num_policy_train: int = 400,
-    num_heldout: int = 400,
-    per_prompt: int = 8,
-    difficulties: tuple[int, ...] = (1, 2, 3),
-    seed: int = 0,
-    policy_samples: int = 0,
-    max_new_tokens: int = 12,
+    num_train_prompts: int = 800,
+    num_heldout_prompts: int = 200,
+    per_prompt: int = 4,
+    max_new_tokens: int = 16,
+    min_tokens: int = 3,
     temperature: float = 1.0,
+    seed: int = 0,
 ) -> dict[str, Any]:
-    """Fit the ``score`` head of a one-label classifier on ``base``'s frozen trunk; save it with its metrics.
+    """Fit the ``score`` head of a one-label classifier on ``base``'s frozen trunk; save the head with its metrics.
 
     The folder is written under a temporary name and renamed at the end, so an interrupted run leaves
     no half-written reward model.
 
     Args:
-        out_dir: the folder to write (``save_pretrained`` files, tokenizer, ``reward_model.json``).
+        out_dir: the folder to write (``head.safetensors`` and ``reward_model.json``).
         base: the trunk, tokenizer and sampling policy: ``embedded``, ``tiny:*`` (tests), or a causal LM folder.
-        num_train: synthetic labelled (prompt, completion) pairs to fit on.
-        num_policy_train: completions sampled from ``base`` on training questions, labelled by the checker
-            and fitted on too: the policy's own rambling is what the reward model meets in training.
-        num_heldout: synthetic pairs on held-out questions (never trained on) for the reported metrics.
-        per_prompt: completions per question (they share the question's KV cache).
-        difficulties: arithmetic levels the questions come from, in equal parts.
-        seed: questions, completions and sampling.
-        policy_samples: also measure agreement on this many completions sampled from ``base`` on held-out
-            level-1 questions (the default task), scored by the saved model's ``forward_soft_sparse``; 0 skips.
-        max_new_tokens: length limit of sampled completions.
-        temperature: sampling temperature of sampled completions.
+        num_train_prompts: training-split openings; the policy continues each ``per_prompt`` times.
+        num_heldout_prompts: held-out openings (never fitted on) whose continuations give the reported metrics.
+        per_prompt: continuations per opening.
+        max_new_tokens: length limit of the sampled continuations (the GumbelTopK config's length).
+        min_tokens: training continuations are cut at random lengths down to this many tokens.
+        temperature: sampling temperature.
+        seed: openings, sampling and cuts.
 
     Returns:
-        what ``reward_model.json`` holds: settings, held-out metrics, seconds.
+        what ``reward_model.json`` holds: settings, held-out agreement with the labeller, seconds.
     """
+    from safetensors.torch import save_file
+
     from lit_rl.models import load_causal_lm, load_reward_model
     from lit_rl.models.reward import classification_head
 
     out_dir = Path(out_dir).expanduser()
     if out_dir.exists() and any(out_dir.iterdir()) and not (out_dir / META_FILE).exists():
         raise FileExistsError(f"{out_dir} exists and holds no {META_FILE}; choose an empty or new folder")
-    if min(num_train, num_heldout) < per_prompt or per_prompt < 1:
-        raise ValueError(f"num_train ({num_train}) and num_heldout ({num_heldout}) must be >= per_prompt >= 1")
+    if min(num_train_prompts, num_heldout_prompts, per_prompt, max_new_tokens, min_tokens) < 1:
+        raise ValueError(
+            "num_train_prompts, num_heldout_prompts, per_prompt, max_new_tokens and min_tokens must be >= 1"
+        )
     t_start = time.perf_counter()
     model, tokenizer = build_classifier(base, seed=seed)
-    formatter = PromptDataModule()  # the DataModule's own formatting: instruction and chat template
-    formatter.connect(tokenizer)
-    train = question_records(num_train // per_prompt, heldout=False, difficulties=difficulties, seed=seed)
-    heldout = question_records(num_heldout // per_prompt, heldout=True, difficulties=difficulties, seed=seed + 1)
-    groups, y_train = build_groups(train, tokenizer, formatter, per_prompt, seed)
-    held_groups, y_held = build_groups(heldout, tokenizer, formatter, per_prompt, seed + 1)
-    if num_policy_train or policy_samples:
-        policy = load_causal_lm(base, vocab_size=len(tokenizer)).eval()
-        kw = {"per_prompt": per_prompt, "max_new_tokens": max_new_tokens, "temperature": temperature}
-    if num_policy_train:
-        records = question_records(num_policy_train // per_prompt, heldout=False, difficulties=difficulties, seed=seed)
-        sampled, y_sampled, _ = sample_policy_groups(policy, tokenizer, formatter, records, seed=seed + 2, **kw)
-        groups, y_train = groups + sampled, torch.cat([y_train, y_sampled])
-    if policy_samples:
-        eval_records = question_records(-(-policy_samples // per_prompt), heldout=True, difficulties=(1,), seed=seed)
-        eval_groups, y_eval, texts = sample_policy_groups(
-            policy, tokenizer, formatter, eval_records, seed=seed + 3, **kw
-        )
+    formatter = review_formatter(tokenizer)
+    policy = load_causal_lm(base, vocab_size=len(tokenizer)).eval()
+    kw = {"per_prompt": per_prompt, "max_new_tokens": max_new_tokens, "temperature": temperature}
+    train = review_openings(num_train_prompts, split="train", seed=seed)
+    heldout = review_openings(num_heldout_prompts, split="heldout", seed=seed)
+    groups, _ = sample_policy_groups(policy, tokenizer, formatter, train, seed=seed + 1, **kw)
+    groups, texts = cut_at_random_lengths(groups, tokenizer, min_tokens=min_tokens, seed=seed)
+    held_groups, held_texts = sample_policy_groups(policy, tokenizer, formatter, heldout, seed=seed + 2, **kw)
+    del policy
+    y_train, y_held = torch.tensor(vader_positive(texts)), torch.tensor(vader_positive(held_texts))  # [N], [N_held]
     t_sampling = time.perf_counter() - t_start
-    pad = tokenizer.pad_token_id
-    last_train, mean_train = extract_features(model, groups, pad_id=pad, desc="features (train)")
-    last_held, mean_held = extract_features(model, held_groups, pad_id=pad, desc="features (held-out)")
+    pad_id = tokenizer.pad_token_id
+    _, mean_train = extract_features(model, groups, pad_id=pad_id, desc="features (train)")
+    _, mean_held = extract_features(model, held_groups, pad_id=pad_id, desc="features (held-out)")
     prompt_of = torch.tensor([i for i, (_, cs) in enumerate(groups) for _ in cs])  # [N]
-    w_last, l2 = choose_and_fit(last_train, y_train, prompt_of)
-    w_mean, l2_mean = choose_and_fit(mean_train, y_train, prompt_of)
+    weight, l2 = choose_and_fit(mean_train, y_train, prompt_of)  # [H]
     head = classification_head(model)
     with torch.no_grad():
-        head.weight.copy_(w_last[None].to(head.weight.dtype))  # [1, H]
-        if getattr(head, "bias", None) is not None:
-            head.bias.zero_()
-    level = torch.tensor([r["difficulty"] for r in heldout for _ in range(per_prompt)])  # [N_held]
-    s_held = last_held @ w_last  # [N_held]
+        head.weight.copy_(weight[None].to(head.weight.dtype))  # [1, H]
+    held_prefixes, held_prefix_texts = cut_at_random_lengths(held_groups, tokenizer, min_tokens=min_tokens, seed=seed)
     meta: dict[str, Any] = {
         "base": base,
-        "task": "arithmetic",
-        "difficulties": list(difficulties),
-        "instruction": formatter.hparams.instruction,
-        "num_train": num_train // per_prompt * per_prompt,
-        "num_policy_train": len(y_train) - num_train // per_prompt * per_prompt,
-        "num_heldout": len(y_held),
-        "per_prompt": per_prompt,
-        "sampling": {"temperature": temperature, "top_k": 0, "max_new_tokens": max_new_tokens},
-        "seed": seed,
-        "head": "score: linear, no bias, on the frozen trunk's last-token hidden state; logistic loss, LBFGS",
-        "l2": l2,
-        "train_positive_rate": y_train.float().mean().item(),
-        "heldout": {
-            "last_token": agreement(s_held, y_held),
-            "by_difficulty": {int(d): agreement(s_held[level == d], y_held[level == d]) for d in difficulties},
-            "mean_pooled_diagnostic": agreement(mean_held @ w_mean, y_held),
+        "task": "reviews: continue a movie-review opening (lit_rl.data.sentiment)",
+        "label": "vader_positive: VADER compound >= 0.05 on the continuation alone",
+        "head": "score: linear, no bias, averaged over the continuation's tokens (pooling: mean) of the frozen trunk; "
+        "logistic loss, LBFGS",
+        "hidden_size": int(weight.shape[0]),
+        "settings": {
+            "num_train_prompts": num_train_prompts,
+            "num_heldout_prompts": num_heldout_prompts,
+            "per_prompt": per_prompt,
+            "max_new_tokens": max_new_tokens,
+            "min_tokens": min_tokens,
+            "temperature": temperature,
+            "seed": seed,
         },
-        "mean_pooled_diagnostic": f"a head (l2={l2_mean}) on the completion's mean hidden state, for comparison "
-        "only: the classifier reads the last token",
+        "l2": l2,
+        "train_pairs": len(y_train),
+        "train_positive_rate": y_train.float().mean().item(),
     }
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_dir.with_name(f"{out_dir.name}.tmp-{os.getpid()}")
     try:
         shutil.rmtree(tmp, ignore_errors=True)
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        if policy_samples:  # scored by the saved model itself, as GumbelTopK will load it
-            scores = score_soft_sparse(load_reward_model(str(tmp), policy_tokenizer=tokenizer), eval_groups, pad_id=pad)
-            last_eval, mean_eval = extract_features(model, eval_groups, pad_id=pad, desc="features (samples)")
-            meta["policy_samples"] = {
-                "questions": "held-out, difficulty 1",
-                "last_token": agreement(scores, y_eval),
-                "mean_pooled_diagnostic": agreement(mean_eval @ w_mean, y_eval),
-                "feature_path_max_abs_diff": (scores - last_eval @ w_last).abs().max().item(),
-                "examples": [
-                    {"completion": t, "checker": float(y), "score": round(s.item(), 3)}
-                    for t, y, s in list(zip(texts, y_eval, scores))[:32]
-                ],
-            }
-        meta["seconds"] = {"sampling": t_sampling, "total": time.perf_counter() - t_start}
+        tmp.mkdir()
+        save_file({"score.weight": head.weight.detach().contiguous()}, tmp / HEAD_FILE, metadata={"pooling": "mean"})
+        # scored by the saved head through forward_soft_sparse, as GumbelTopK will read it
+        saved = load_reward_model(
+            base, policy_tokenizer=tokenizer, vocab_size=len(tokenizer), head_file=str(tmp / HEAD_FILE)
+        )
+        if base.startswith(TINY_PREFIX):  # a tiny model is random: its trunk is this classifier's, not a fresh draw
+            saved = _with_trunk_of(saved, model)
+        s_held = score_soft_sparse(saved, held_groups, pad_id=pad_id)  # [N_held]
+        s_prefix = score_soft_sparse(saved, held_prefixes, pad_id=pad_id)  # [N_held]
+        meta["heldout"] = {
+            "openings": "held-out split of lit_rl.data.sentiment (never fitted on), whole continuations",
+            "agreement": agreement(s_held, y_held),
+            "prefixes": agreement(s_prefix, torch.tensor(vader_positive(held_prefix_texts))),
+            "feature_path_max_abs_diff": (s_held - mean_held @ weight).abs().max().item(),
+            "examples": [
+                {"opening": heldout[i // per_prompt]["prompt"], "continuation": t, "vader": v, "score": round(s, 3)}
+                for i, (t, v, s) in enumerate(zip(held_texts, vader_compound(held_texts), s_held.tolist()))
+            ][:24],
+        }
+        meta["seconds"] = {"sampling": round(t_sampling, 1), "total": round(time.perf_counter() - t_start, 1)}
         meta["torch_threads"] = torch.get_num_threads()
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
         if out_dir.exists():
@@ -320,78 +274,64 @@ def train_arithmetic_reward_model(
     return meta
 
 
-def embedded_reward_model_path(*, train_if_missing: bool = True) -> Path:
-    """The folder of the built-in arithmetic reward model on the embedded SmolLM2, trained on first use.
-
-    Raises:
-        FileNotFoundError: it is missing and ``train_if_missing`` is off.
-    """
-    target = cache_dir() / f"{EMBEDDED_NAME}-arithmetic-rm"
-    if (target / META_FILE).exists():
-        return target
-    if not train_if_missing:
-        raise FileNotFoundError(
-            f"no reward model in {target}; train it with `lit-rl reward-model` (a few minutes on a CPU)"
-        )
-    rank_zero_info(
-        f"lit-rl: training the built-in arithmetic reward model into {target} (once, a few minutes on a CPU)"
-    )
-    train_arithmetic_reward_model(target)
-    return target
+def _with_trunk_of(reward_model, classifier):
+    """``reward_model`` with ``classifier``'s weights (the tiny test models are drawn at random on each load)."""
+    reward_model.load_state_dict(classifier.state_dict())
+    return reward_model
 
 
-_OPTIONS = {  # option -> help; the defaults are train_arithmetic_reward_model's
+_OPTIONS = {  # option -> help; the defaults are train_sentiment_reward_model's
     "base": "trunk, tokenizer and sampling policy: embedded, tiny:llama, or a causal LM folder",
-    "num_train": "synthetic labelled pairs to fit on",
-    "num_policy_train": "completions sampled from the policy, labelled by the checker, to fit on too",
-    "num_heldout": "synthetic pairs on held-out questions for the metrics",
-    "per_prompt": "completions per question",
-    "difficulties": "arithmetic levels",
-    "seed": "questions, completions and sampling",
-    "policy_samples": "also measure agreement on this many policy samples on held-out questions",
-    "max_new_tokens": "length limit of sampled completions",
-    "temperature": "temperature of sampled completions",
+    "num_train_prompts": "training-split openings the policy continues",
+    "num_heldout_prompts": "held-out openings for the reported agreement",
+    "per_prompt": "continuations per opening",
+    "max_new_tokens": "length limit of the continuations",
+    "min_tokens": "shortest random cut of a training continuation",
+    "temperature": "sampling temperature",
+    "seed": "openings, sampling and cuts",
 }
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lit-rl reward-model",
-        description="Train the built-in arithmetic reward model (a score head on the frozen embedded SmolLM2).",
+        description="Fit the built-in sentiment reward model (a score head on the frozen embedded SmolLM2) again, "
+        "report its agreement with the labeller on held-out openings and how far it is from the shipped head.",
     )
-    parser.add_argument("--out", help="folder to write (default: the cache folder embedded_reward_model_path reads)")
-    defaults = inspect.signature(train_arithmetic_reward_model).parameters
+    parser.add_argument(
+        "--out", default="runs/reward-model", help=f"folder to write (default: runs/reward-model; {SHIPPED_HEAD_DIR.name} "
+        "inside lit_rl/data/heads replaces the shipped head)",
+    )  # fmt: skip
+    defaults = inspect.signature(train_sentiment_reward_model).parameters
     for name, text in _OPTIONS.items():
         default = defaults[name].default
-        many = isinstance(default, tuple)
         parser.add_argument(
-            "--" + name.replace("_", "-"),
-            type=type(default[0]) if many else type(default),
-            nargs="+" if many else None,
-            default=default,
-            help=f"{text} (default: {' '.join(map(str, default)) if many else default})",
+            "--" + name.replace("_", "-"), type=type(default), default=default, help=f"{text} (default: {default})"
         )
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``lit-rl reward-model``: train, save, and print the held-out agreement with the checker."""
+    """``lit-rl reward-model``: fit, save, and print the held-out agreement and the distance to the shipped head."""
+    from safetensors.torch import load_file
+
     args = vars(_parser().parse_args(sys.argv[1:] if argv is None else argv))
-    out = Path(args.pop("out") or cache_dir() / f"{EMBEDDED_NAME}-arithmetic-rm")
-    args["difficulties"] = tuple(args["difficulties"])
-    rank_zero_info(f"lit-rl reward-model: training on {args['base']}; writing {out}")
+    out = Path(args.pop("out"))
+    rank_zero_info(f"lit-rl reward-model: fitting a sentiment head on {args['base']}; writing {out}")
     try:
-        meta = train_arithmetic_reward_model(out, **args)
+        meta = train_sentiment_reward_model(out, **args)
     except (ValueError, FileExistsError, FileNotFoundError) as err:
         raise SystemExit(f"error: lit-rl reward-model: {err}") from err
-    for name, part in (("held-out pairs", "heldout"), ("policy samples", "policy_samples")):
-        if part not in meta:
-            continue
-        m = meta[part]["last_token"]
+    for name, part in (("whole continuations", "agreement"), ("random prefixes", "prefixes")):
+        m = meta["heldout"][part]
         rank_zero_info(
-            f"{name}: accuracy {m['accuracy']:.3f}, AUC {m['auc'] or float('nan'):.3f} against the checker "
-            f"(n={m['n']}, {m['positive_rate']:.0%} correct)"
+            f"held-out {name}: accuracy {m['accuracy']:.3f}, AUC {m['auc'] or float('nan'):.3f} against VADER "
+            f"(n={m['n']}, {m['positive_rate']:.0%} positive)"
         )
+    shipped = Path(shipped_head_file())
+    if args["base"] == EMBEDDED and shipped.exists() and out.resolve() != SHIPPED_HEAD_DIR.resolve():
+        diff = (load_file(out / HEAD_FILE)["score.weight"] - load_file(shipped)["score.weight"]).abs().max().item()
+        rank_zero_info(f"largest difference from the shipped head {shipped}: {diff:.3g}")
     rank_zero_info(f"wrote {out} in {meta['seconds']['total']:.0f} s (metrics in {out / META_FILE})")
 
 

@@ -43,6 +43,7 @@ from transformers import DynamicCache
 
 from lit_rl.memory.phases import BACKWARD, OPTIMIZER
 from lit_rl.methods.base import RLMethod
+from lit_rl.methods.evaluation import distinct_bigrams
 from lit_rl.models import forward_soft_embeds, head_spec, load_reward_model, score_every_prefix, soft_embeddings, trunk
 from lit_rl.ops import gumbel_softmax_topk, kl_divergence
 
@@ -70,13 +71,15 @@ class GumbelTopK(RLMethod):
 
     **Logged Metrics**: ``reward/mean``, ``reward/std``, ``kl/mean`` (per completion token),
     ``gumbel/tau``, ``gumbel/topk_mass``, ``completions/mean_length``, ``completions/clipped_ratio``,
+    ``completions/distinct_bigrams``,
     ``metric/<function>/mean`` (the true checkers in ``metric_funcs``, never rewarded), ``loss``,
     ``train/nonfinite_steps``, ``time/<phase>_s``.
 
     Args:
         reward_model: a ``...ForSequenceClassification`` sharing the policy's vocabulary (folder or hub
-            id), or ``embedded``: a score head on the embedded SmolLM2 trunk trained on the built-in
-            arithmetic task (trained once and cached, see :mod:`lit_rl.data.reward_model`).
+            id), or ``embedded``: the built-in sentiment reward model, a score head shipped with lit-rl on the
+            embedded SmolLM2 trunk (see :mod:`lit_rl.data.reward_model`); it scores continuations of the
+            ``reviews`` task's openings.
         num_generations: rollouts per prompt.
         max_new_tokens: generation steps ``C``. Memory: every step's graph is kept for the backward.
         min_new_tokens: EOS cannot be sampled before this many tokens (as in ``generate``); the default 1
@@ -178,7 +181,7 @@ class GumbelTopK(RLMethod):
             source,
             policy_tokenizer=self.tokenizer,
             vocab_size=vocab,
-            path_provider=_embedded_reward_model if source == EMBEDDED_REWARD else None,
+            head_file=_shipped_head() if source == EMBEDDED_REWARD else None,
         )
 
     def tau_at(self, step: int) -> float:
@@ -234,6 +237,7 @@ class GumbelTopK(RLMethod):
                 "gumbel/topk_mass": (mass * mask).sum().item() / count.item(),
                 "completions/mean_length": lengths.float().mean().item(),
                 "completions/clipped_ratio": (~torch.isin(tokens, eos_ids).any(1)).float().mean().item(),
+                "completions/distinct_bigrams": distinct_bigrams(tokens, lengths).mean().item(),
                 "prompts/truncated": float(batch.get("num_truncated", 0)),
             }
         )
@@ -369,11 +373,11 @@ def survival(stop: torch.Tensor) -> torch.Tensor:
     return torch.stack(alive, 1)
 
 
-def _embedded_reward_model() -> str:
-    """The embedded reward model's folder, trained once on the built-in task if the cache has none."""
-    from lit_rl.data.reward_model import embedded_reward_model_path
+def _shipped_head() -> str:
+    """The built-in sentiment reward model's head file, for the embedded trunk."""
+    from lit_rl.data.reward_model import shipped_head_file
 
-    return str(embedded_reward_model_path())
+    return shipped_head_file()
 
 
 def _at_least_float32(x: torch.Tensor) -> torch.Tensor:

@@ -9,14 +9,14 @@ same embedding, so the score and its gradient w.r.t. the weights are those of th
 
 The reward model must share the policy's vocabulary (the soft ids index its embedding matrix), and
 must be a decoder that scores the last non-padding position (Llama, Qwen2, Mistral, GPT-2 style
-``...ForSequenceClassification``); :func:`load_reward_model` checks both at load time.
+``...ForSequenceClassification``); :func:`load_reward_model` checks both at load time. A head loaded from a
+file may instead average its score over the completion's tokens (``pooling: mean``, see :func:`load_head`).
 """
 
 from __future__ import annotations
 
 import copy
 import types
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -45,7 +45,7 @@ def load_reward_model(
     dtype: str = "float32",
     trust_remote_code: bool = False,
     vocab_size: int | None = None,
-    path_provider: Callable[[], str] | None = None,
+    head_file: str | None = None,
 ):
     """A frozen ``...ForSequenceClassification`` with one label and a ``forward_soft_sparse`` method.
 
@@ -60,9 +60,9 @@ def load_reward_model(
         dtype: ``float32``, ``bfloat16``, ``float16`` or ``auto``; the score is float32 whatever this is.
         trust_remote_code: run model code shipped with the checkpoint. Off unless you trust it.
         vocab_size: only for ``tiny:*`` models (to match a tokenizer).
-        path_provider: called for the folder to load when weights are read (e.g. one that builds the embedded
-            reward model on first use); ``name_or_path`` still names the model, and inside
-            :func:`~lit_rl.models.build_on_meta` only its config is built, so the provider is never called.
+        head_file: a ``.safetensors`` file with the classification head's weights (``score.weight [1, H]``) for a
+            checkpoint that has no head of its own: the built-in reward model is the embedded causal LM's trunk
+            plus a head shipped inside lit-rl. The file's head replaces any head in the checkpoint.
 
     Raises:
         ValueError: a head that was not in the checkpoint, ``num_labels != 1``, a vocabulary other
@@ -81,8 +81,6 @@ def load_reward_model(
         freeze(model)
         model.forward_soft_sparse = types.MethodType(forward_soft_sparse, model)
         return model
-    if path_provider is not None:
-        name_or_path = path_provider()
     if name_or_path.startswith(TINY_PREFIX):
         from transformers import AutoModelForSequenceClassification
 
@@ -94,7 +92,11 @@ def load_reward_model(
         if torch_dtype != "auto":
             model = model.to(torch_dtype)
     else:
-        model = _from_pretrained(name_or_path, gguf_file, torch_dtype, trust_remote_code)
+        model = _from_pretrained(name_or_path, gguf_file, torch_dtype, trust_remote_code, has_head=head_file is None)
+    if head_file is not None:
+        load_head(model, head_file)
+        if model.config.pad_token_id is None and policy_tokenizer is not None:
+            model.config.pad_token_id = policy_tokenizer.pad_token_id  # a causal LM's config may name none
     if model.config.num_labels != 1:
         raise ValueError(
             f"reward model {name_or_path} has num_labels={model.config.num_labels}; a reward model gives one score "
@@ -110,15 +112,24 @@ def load_reward_model(
     return model
 
 
-def _from_pretrained(name_or_path: str, gguf_file: str | None, torch_dtype, trust_remote_code: bool):
+def _from_pretrained(name_or_path: str, gguf_file: str | None, torch_dtype, trust_remote_code: bool, has_head: bool):
     from transformers import AutoModelForSequenceClassification
+    from transformers.utils import logging as hf_logging
 
     path, gguf = resolve_source(name_or_path, gguf_file)
-    model, info = AutoModelForSequenceClassification.from_pretrained(
-        path, gguf_file=gguf, dtype=torch_dtype, trust_remote_code=trust_remote_code, output_loading_info=True
-    )
+    verbosity = hf_logging.get_verbosity()
+    if not has_head:
+        hf_logging.set_verbosity_error()  # the head is "missing from the checkpoint": it comes from head_file
+    try:
+        extra = {} if has_head else {"num_labels": 1}  # a causal LM's trunk: one label, the head from head_file
+        model, info = AutoModelForSequenceClassification.from_pretrained(
+            path, gguf_file=gguf, dtype=torch_dtype, trust_remote_code=trust_remote_code, output_loading_info=True,
+            **extra,
+        )  # fmt: skip
+    finally:
+        hf_logging.set_verbosity(verbosity)
     missing = [k for k in info.get("missing_keys", ()) if k.split(".")[0] in HEAD_NAMES]
-    if missing:
+    if missing and has_head:
         hint = " ('embedded' is the policy)" if name_or_path == EMBEDDED else ""
         raise ValueError(
             f"reward model {name_or_path}{hint} has no trained classification head ({', '.join(sorted(missing))} "
@@ -128,6 +139,39 @@ def _from_pretrained(name_or_path: str, gguf_file: str | None, torch_dtype, trus
     if gguf is not None:
         model.hf_quantizer = None  # dequantised on load; the marker only blocks save_pretrained
     return model
+
+
+def load_head(model, head_file: str) -> None:
+    """Copy the classification head's weights from ``head_file`` (safetensors, ``<head name>.weight [1, H]``).
+
+    The file's metadata may say ``pooling: mean``: the score is then the head's mean over the completion's tokens
+    (:func:`pooling`), which reads a whole continuation where the last token of a small model does not.
+
+    Raises:
+        ValueError: the file holds no head weight, or one whose shape is not the model's; names the file and the fix.
+    """
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    head = classification_head(model)
+    tensors = load_file(head_file)
+    with safe_open(head_file, "pt") as f:
+        mode = (f.metadata() or {}).get("pooling", "last")
+    if mode not in ("last", "mean"):
+        raise ValueError(f"reward model head {head_file}: pooling {mode!r} is not 'last' or 'mean'; refit the head")
+    weight = next((t for name, t in tensors.items() if name.split(".")[-1] == "weight"), None)
+    if weight is None or weight.shape != head.weight.shape:
+        found = "no weight" if weight is None else f"a weight of shape {tuple(weight.shape)}"
+        raise ValueError(
+            f"reward model head {head_file}: holds {found}, the model's head is {tuple(head.weight.shape)}; "
+            "use a head fitted on this model's trunk (`lit-rl reward-model --base` it)"
+        )
+    with torch.no_grad():
+        head.weight.copy_(weight)
+        if getattr(head, "bias", None) is not None:
+            bias = next((t for name, t in tensors.items() if name.split(".")[-1] == "bias"), None)
+            head.bias.copy_(bias) if bias is not None else head.bias.zero_()
+    model.score_pooling = mode
 
 
 def freeze(model) -> None:
@@ -214,6 +258,9 @@ def forward_soft_embeds(
     if attention_mask.shape != (B, P + C):
         raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}; expected {(B, P + C)}")
     hidden = _hidden_states(model, input_ids, completion_embeds, attention_mask.long())  # [B, P + C, H]
+    if pooling(model) == "mean":
+        keep = attention_mask[:, P:].to(torch.float32)  # [B, C]
+        return (_score(model, hidden[:, P:]) * keep).sum(-1) / keep.sum(-1).clamp_min(1)  # [B]
     positions = torch.arange(P + C, device=attention_mask.device)  # [P + C]
     last = (positions * attention_mask.long()).argmax(-1)  # [B] rightmost position whose mask is 1
     pooled = hidden[torch.arange(B, device=hidden.device), last]  # [B, H]
@@ -236,7 +283,10 @@ def score_every_prefix(
         raise ValueError(f"prompt_mask has shape {tuple(prompt_mask.shape)}; expected {(B, P)}")
     ones = torch.ones(B, C, dtype=torch.long, device=prompt_mask.device)  # [B, C]
     hidden = _hidden_states(model, input_ids, completion_embeds, torch.cat([prompt_mask.long(), ones], 1))
-    return _score(model, hidden[:, P:])  # [B, C]
+    scores = _score(model, hidden[:, P:])  # [B, C] the head at each completion position
+    if pooling(model) == "mean":  # the mean of the head over the prefix's completion tokens
+        return scores.cumsum(-1) / torch.arange(1, C + 1, device=scores.device, dtype=scores.dtype)  # [B, C]
+    return scores
 
 
 def _hidden_states(model, input_ids: torch.Tensor, completion_embeds: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -246,6 +296,13 @@ def _hidden_states(model, input_ids: torch.Tensor, completion_embeds: torch.Tens
     position_ids = (mask.cumsum(-1) - 1).clamp_min(0)  # [B, P + C] as in left-padded generation
     out = trunk(model)(inputs_embeds=inputs_embeds, attention_mask=mask, position_ids=position_ids, use_cache=False)
     return out[0]
+
+
+def pooling(model) -> str:
+    """How the reward model reads a completion: ``last`` (the head at the last token, what a ``...ForSequence
+    Classification`` does) or ``mean`` (the head's mean over the completion's tokens; set by a head file that says so).
+    """
+    return getattr(model, "score_pooling", "last")
 
 
 def _score(model, hidden: torch.Tensor) -> torch.Tensor:
@@ -267,7 +324,10 @@ def check_parity(model, name: str) -> None:
         ids = torch.where(ids == pad, (ids + 1) % vocab, ids)
     ids = ids.unsqueeze(0)  # [1, 6]
     with torch.no_grad():
-        expected = model(input_ids=ids).logits[:, 0].float()  # [1]
+        if pooling(model) == "mean":  # the head over the model's own hidden states of the 3 completion tokens
+            expected = _score(model, trunk(model)(input_ids=ids)[0][:, 3:]).mean(-1)  # [1]
+        else:
+            expected = model(input_ids=ids).logits[:, 0].float()  # [1]
         got = forward_soft_sparse(
             model,
             ids[:, :3],
