@@ -1,0 +1,306 @@
+"""GRADE against policy gradients on one task, in one framework: GumbelTopK beside GRPO on the sentiment task.
+
+Runs ``configs/gumbel_topk.yaml`` (GumbelTopK: the built-in reward model's score backpropagated through
+differentiable rollouts) and ``configs/grpo_sentiment.yaml`` (RefCachedGRPO: VADER's score as a reward, no
+gradient through it) one after the other, each in a fresh process, for the same number of optimizer steps
+with the same 16 completions per step and held-out evaluations at the same steps. Then, from the runs' logs:
+
+- **judges** on held-out openings, greedy completions: ``val/vader_positive`` (VADER, the labeller both rewards
+  come from) and ``val/afinn_positive`` (AFINN, a lexicon neither method is trained on), by step and by
+  seconds of training;
+- **the reward model's score** of the same held-out completions, for both methods alike: each run writes its
+  completions to ``heldout/val_step*.jsonl``, and this script scores them with the shipped reward model after
+  the run (mean score, and the share it calls positive);
+- KL per token to the reference, completion length and distinct bigrams (degeneration) on the training samples;
+- **at equal wall time**: each method's held-out scores at its last evaluation within the training seconds
+  the faster run took in all (seconds of training = the sum of the logged phase times, evaluation left out);
+- **peak memory per phase** from a separate short run of each config with the memory profiler (exact tensor
+  accounting slows a CPU step, so the timed runs go without it).
+
+Wall times depend on the machine and its load (the load average is printed); the seeded scores do not.
+
+Run (writes bench/results/grade_vs_grpo.md and .png)::
+
+    python bench/bench_grade_vs_grpo.py
+    python bench/bench_grade_vs_grpo.py --quick --results /tmp/q    # smoke test on tiny models
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from heldout_examples import examples  # bench/ is on the path when this runs as a script
+from plot_run import read_scalar_events
+
+ROOT = Path(__file__).resolve().parents[1]
+METHODS = {"GumbelTopK": "configs/gumbel_topk.yaml", "GRPO": "configs/grpo_sentiment.yaml"}
+# per held-out completion in the run's heldout/*.jsonl: the judges, then text statistics
+HELD_OUT = (
+    "vader_positive",
+    "afinn_positive",
+    "vader_compound",
+    "completions/distinct_bigrams",
+    "completions/mean_length",
+)
+TRAIN = ("kl/mean", "completions/mean_length", "completions/distinct_bigrams", "reward/mean")
+# tiny models for --quick: the policy and (GumbelTopK's) reward model random, a few tokens, evaluation every step
+QUICK = {
+    "GumbelTopK": ["--model.init_args.name_or_path", "tiny:llama", "--model.init_args.reward_model", "tiny:llama"],
+    "GRPO": ["--model.init_args.name_or_path", "tiny:llama"],
+}
+QUICK_ALL = [
+    "--model.init_args.max_new_tokens",
+    "4",
+    "--data.init_args.batch_size",
+    "2",
+    "--data.init_args.val_size",
+    "4",
+]
+
+
+def fit(config: str, root: Path, args: list[str]) -> Path:
+    """``lit-rl fit --config config`` in a fresh process writing to ``root``; the TensorBoard folder of the run."""
+    cmd = [sys.executable, "-m", "lit_rl", "fit", "--config", config, "--trainer.default_root_dir", str(root), *args]
+    root.mkdir(parents=True, exist_ok=True)
+    print(f"+ {shlex.join(cmd)}", file=sys.stderr, flush=True)
+    with open(root / "fit.log", "w") as log:
+        done = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    if done.returncode:
+        raise SystemExit(f"{shlex.join(cmd)} failed ({done.returncode}); its output is in {root}/fit.log")
+    return max((root / "lightning_logs").glob("version_*"), key=lambda p: int(p.name.split("_")[1]))
+
+
+def held_out_scores(run: Path, reward_model: str, head_file: str | None) -> dict[int, dict[str, float]]:
+    """``{steps trained: {score: mean}}`` over each evaluation's completions (``heldout/val_step*.jsonl``): the
+    judges and text statistics the run wrote, plus ``rm`` (the reward model's mean score) and ``rm_positive``."""
+    from lit_rl.data.reward_model import score_soft_sparse
+    from lit_rl.models import load_reward_model, load_tokenizer
+
+    tokenizer = load_tokenizer(reward_model)
+    model = load_reward_model(reward_model, policy_tokenizer=tokenizer, vocab_size=len(tokenizer), head_file=head_file)
+    out = {}
+    for path in sorted((run / "heldout").glob("val_step*.jsonl")):
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        groups = []
+        for row in rows:
+            prompt = tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
+            completion = tokenizer(row["completion"], add_special_tokens=False)["input_ids"] or [tokenizer.eos_token_id]
+            groups.append((prompt, [completion]))
+        scores = score_soft_sparse(model, groups, pad_id=tokenizer.pad_token_id)  # [N]
+        means = {k: mean([row[k] for row in rows]) for k in HELD_OUT}
+        means.update(rm=scores.mean().item(), rm_positive=(scores > 0).float().mean().item())
+        out[int(path.stem.removeprefix("val_step"))] = means
+    return out
+
+
+def training_seconds(run: Path) -> dict[int, float]:
+    """``{steps trained: seconds}``: the sum of the logged phase times (``time/*_s``) of the first N optimizer steps
+    (step N's metrics are logged at index N - 1)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run), size_guidance={"scalars": 0})
+    acc.Reload()
+    per_step: dict[int, float] = {}
+    for tag in acc.Tags()["scalars"]:
+        if tag.startswith("time/") and tag.endswith("_s"):
+            for e in acc.Scalars(tag):
+                per_step[e.step] = per_step.get(e.step, 0.0) + e.value
+    total, out = 0.0, {0: 0.0}
+    for index in sorted(per_step):
+        total += per_step[index]
+        out[index + 1] = total
+    return out
+
+
+def memory_peaks(run: Path, phases: list[str]) -> dict[str, float]:
+    """The highest tensor peak (GiB) the memory profiler logged for each phase, over the run's steps."""
+    keys = [f"memory/{p}/peak_gib" for p in phases]
+    events = read_scalar_events(str(run), keys, optional=True)
+    return {k.split("/")[1]: max(e.value for e in v) for k, v in events.items()}
+
+
+def phase_names(config: str) -> list[str]:
+    from lit_rl.methods import GumbelTopK, RefCachedGRPO
+
+    return list((GumbelTopK if "gumbel" in config else RefCachedGRPO).phase_names)
+
+
+def mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
+def collect(name: str, config: str, out: Path, steps: int, every: int, memory_steps: int, quick: bool) -> dict:
+    """Run one method (timed run, then the profiled one) and gather everything the table and plot need."""
+    extra = ["--trainer.max_steps", str(steps), "--trainer.val_check_interval", str(every),
+             "--trainer.max_time", "null"]  # fmt: skip
+    if quick:
+        extra += QUICK[name] + QUICK_ALL
+    started = time.perf_counter()
+    run = fit(config, out / name, extra)
+    wall = time.perf_counter() - started
+    train = read_scalar_events(str(run), list(TRAIN), optional=True)
+    reward_model, head = ("tiny:llama", None) if quick else ("embedded", _shipped_head())
+    held_out = held_out_scores(run, reward_model, head)
+    memory = {}
+    if memory_steps:
+        mem_extra = ["--trainer.max_steps", str(memory_steps), "--data.init_args.val_size", "0",
+                     "--trainer.max_time", "null"]  # fmt: skip
+        if quick:
+            mem_extra += QUICK[name] + QUICK_ALL[:4]
+        profiler = ["--config", "callbacks/memory_profiler.yaml"]
+        mem_run = fit(config, out / f"{name}-memory", [*profiler, *mem_extra])
+        memory = memory_peaks(mem_run, phase_names(config))
+    return {
+        "config": config,
+        "held_out": held_out,
+        "examples": examples(run, ["vader_compound", "afinn_positive"], 4),
+        "train": {k: [(e.step + 1, e.value) for e in v] for k, v in train.items()},  # by steps trained
+        "seconds": training_seconds(run),
+        "wall": wall,
+        "memory": memory,
+    }
+
+
+def _shipped_head() -> str:
+    from lit_rl.data.reward_model import shipped_head_file
+
+    return shipped_head_file()
+
+
+def report(results: dict[str, dict], steps: int, every: int, window: int, cmd: str, load: list[float]) -> str:
+    names = list(results)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    columns = ("vader_positive", "afinn_positive", "vader_compound", "rm", "rm_positive",
+               "completions/distinct_bigrams", "completions/mean_length")  # fmt: skip
+    lines = [
+        f"Command: `{cmd}`  ",
+        f"Code: lit_rl at {commit.stdout.strip() or 'unknown'}; machine: {os.cpu_count()} CPU cores, "
+        f"{platform.machine()}, Python {platform.python_version()}; 1-minute load average {load[0]:.1f} before, "
+        f"{load[1]:.1f} after. Seconds depend on the machine and its load; the scores are seeded and do not.",
+        "",
+        f"Both methods: {steps} optimizer steps of 16 completions, greedy completions of the same held-out "
+        f"openings evaluated before the first step and every {every} steps. `vader_positive` and `afinn_positive`: "
+        "share of completions each lexicon calls positive; `RM score` / `RM positive`: the shipped reward model's "
+        "mean score of the same completions and the share above 0 (GumbelTopK optimises this model; GRPO never "
+        "sees it). Training seconds: the sum of the logged phase times, evaluation left out.",
+        "",
+        "## Held-out scores by step",
+        "",
+        "| method | step | training s | vader_positive | afinn_positive | vader_compound | RM score | RM positive "
+        "| distinct bigrams | length |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for name in names:
+        r = results[name]
+        for step, scores in sorted(r["held_out"].items()):
+            seconds = r["seconds"].get(step, float("nan"))
+            lines.append(
+                f"| {name} | {step} | {seconds:.0f} | " + " | ".join(f"{scores[c]:.3f}" for c in columns) + " |"
+            )
+    budget = min(max(r["seconds"].values()) for r in results.values())
+    lines += [
+        "",
+        f"## At equal wall time: {budget:.0f} s of training (the shorter run's total)",
+        "",
+        "| method | last evaluation within the budget (step) | vader_positive | afinn_positive | RM score |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    for name in names:
+        r = results[name]
+        step = max(s for s in r["held_out"] if r["seconds"].get(s, float("inf")) <= budget + 1e-6)
+        scores = r["held_out"][step]
+        lines.append(f"| {name} | {step} | " + " | ".join(f"{scores[c]:.3f}" for c in columns[:2] + ("rm",)) + " |")
+    w = window
+    lines += [
+        "",
+        f"## Training samples (first {w} vs last {w} steps) and cost",
+        "",
+        "| method | KL per token | completion length | distinct bigrams | training s per step | whole run s "
+        "| peak GiB per phase (profiled run) |",
+        "| --- | --- | --- | --- | ---: | ---: | --- |",
+    ]
+    for name in names:
+        r = results[name]
+        cells = []
+        for key in TRAIN[:3]:
+            vals = [v for _, v in r["train"].get(key, [])]
+            cells.append(f"{mean(vals[:w]):.3f} → {mean(vals[-w:]):.3f}" if vals else "n/a")
+        per_step = max(r["seconds"].values()) / steps
+        memory = ", ".join(f"{p} {g:.2f}" for p, g in r["memory"].items()) or "not measured"
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {per_step:.1f} | {r['wall']:.0f} | {memory} |")
+    for name in names:
+        lines += ["", f"## {name}: held-out completions before and after", "", results[name]["examples"]]
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [("vader_positive", "VADER positive (held-out)"), ("afinn_positive", "AFINN positive (judge, held-out)"),
+              ("rm", "reward-model score (held-out)"), ("kl/mean", "KL per token (training)"),
+              ("completions/mean_length", "completion length (training)"),
+              ("completions/distinct_bigrams", "distinct bigrams (training)")]  # fmt: skip
+    fig, axes = plt.subplots(2, len(panels), figsize=(3.2 * len(panels), 5.6), squeeze=False)
+    for name, r in results.items():
+        for col, (key, title) in enumerate(panels):
+            held_out = key in r["held_out"].get(0, {})
+            points = sorted((s, v[key]) for s, v in r["held_out"].items()) if held_out else r["train"].get(key, [])
+            if not points:
+                continue
+            steps, values = zip(*points)
+            seconds = [r["seconds"].get(s, float("nan")) for s in steps]
+            style = "o-" if held_out else "-"
+            axes[0][col].plot(steps, values, style, label=name, markersize=4)
+            axes[1][col].plot(seconds, values, style, label=name, markersize=4)
+            axes[0][col].set_title(title, fontsize=9)
+            axes[0][col].set_xlabel("optimizer step", fontsize=8)
+            axes[1][col].set_xlabel("seconds of training", fontsize=8)
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> str:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=60, help="optimizer steps of each method")
+    parser.add_argument("--eval-every", type=int, default=20, help="held-out evaluation every this many steps")
+    parser.add_argument("--memory-steps", type=int, default=2, help="steps of the profiled run (0: none)")
+    parser.add_argument("--window", type=int, default=10, help="steps in the first/last training means")
+    parser.add_argument("--out", default="runs/grade_vs_grpo", help="folder for the runs")
+    parser.add_argument("--results", default="bench/results", help="folder for grade_vs_grpo.md and .png")
+    parser.add_argument("--quick", action="store_true", help="tiny random models, a few tokens: a smoke test")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.steps, args.eval_every, args.memory_steps, args.window = 2, 1, 1, 1
+    load = [os.getloadavg()[0]]
+    results = {
+        name: collect(name, config, Path(args.out), args.steps, args.eval_every, args.memory_steps, args.quick)
+        for name, config in METHODS.items()
+    }
+    load.append(os.getloadavg()[0])
+    cmd = f"python bench/bench_grade_vs_grpo.py {shlex.join(argv if argv is not None else sys.argv[1:])}".strip()
+    text = report(results, args.steps, args.eval_every, args.window, cmd, load)
+    results_dir = Path(args.results)
+    results_dir.mkdir(parents=True, exist_ok=True)
+    (results_dir / "grade_vs_grpo.md").write_text(
+        "# GumbelTopK (GRADE) vs GRPO on the sentiment task\n\nWritten by `bench/bench_grade_vs_grpo.py`.\n\n"
+        + text + "\n"
+    )  # fmt: skip
+    plot(results, results_dir / "grade_vs_grpo.png")
+    print(text)
+    return text
+
+
+if __name__ == "__main__":
+    main()
