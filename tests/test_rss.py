@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import sys
 
 import numpy as np
@@ -30,8 +31,11 @@ def test_a_touched_200_mb_allocation_raises_the_peak():
     if not reset_peak_rss():
         pytest.skip("/proc/self/clear_refs is not writable here: the peak cannot be reset")
     before = read_peak_rss("vmhwm")
-    block = np.ones(200 * 2**20 // 8)  # 200 MiB, every page written
-    del block
+    # 200 MiB of fresh pages, every one written: an anonymous mapping, not malloc, which may hand back pages that an
+    # earlier test freed but left resident (the peak would then rightly not move)
+    block = mmap.mmap(-1, 200 * 2**20)
+    block.write(b"\1" * len(block))
+    block.close()
     assert read_peak_rss("vmhwm") - before >= 150 * 2**20
     assert probe_rss_source() == "vmhwm"
 
