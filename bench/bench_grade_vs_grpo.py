@@ -66,16 +66,23 @@ QUICK_ALL = [
 ]
 
 
-def fit(config: str, root: Path, args: list[str]) -> Path:
-    """``lit-rl fit --config config`` in a fresh process writing to ``root``; the TensorBoard folder of the run."""
+def fit(config: str, root: Path, args: list[str], *, reuse: bool = False) -> tuple[Path, dict[str, float]]:
+    """``lit-rl fit --config config`` in a fresh process writing to ``root``: the run's TensorBoard folder, and its
+    wall seconds with the 1-minute load average before and after (``reuse``: those of an earlier run in ``root``)."""
     cmd = [sys.executable, "-m", "lit_rl", "fit", "--config", config, "--trainer.default_root_dir", str(root), *args]
-    root.mkdir(parents=True, exist_ok=True)
-    print(f"+ {shlex.join(cmd)}", file=sys.stderr, flush=True)
-    with open(root / "fit.log", "w") as log:
-        done = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-    if done.returncode:
-        raise SystemExit(f"{shlex.join(cmd)} failed ({done.returncode}); its output is in {root}/fit.log")
-    return max((root / "lightning_logs").glob("version_*"), key=lambda p: int(p.name.split("_")[1]))
+    record = root / "bench_run.json"
+    if not (reuse and record.exists()):
+        root.mkdir(parents=True, exist_ok=True)
+        print(f"+ {shlex.join(cmd)}", file=sys.stderr, flush=True)
+        started, load = time.perf_counter(), os.getloadavg()[0]
+        with open(root / "fit.log", "w") as log:
+            done = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        if done.returncode:
+            raise SystemExit(f"{shlex.join(cmd)} failed ({done.returncode}); its output is in {root}/fit.log")
+        info = {"wall": time.perf_counter() - started, "load_before": load, "load_after": os.getloadavg()[0]}
+        record.write_text(json.dumps(info))
+    run = max((root / "lightning_logs").glob("version_*"), key=lambda p: int(p.name.split("_")[1]))
+    return run, json.loads(record.read_text())
 
 
 def held_out_scores(run: Path, reward_model: str, head_file: str | None) -> dict[int, dict[str, float]]:
@@ -127,6 +134,12 @@ def memory_peaks(run: Path, phases: list[str]) -> dict[str, float]:
     return {k.split("/")[1]: max(e.value for e in v) for k, v in events.items()}
 
 
+def torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
 def phase_names(config: str) -> list[str]:
     from lit_rl.methods import GumbelTopK, RefCachedGRPO
 
@@ -137,15 +150,15 @@ def mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
-def collect(name: str, config: str, out: Path, steps: int, every: int, memory_steps: int, quick: bool) -> dict:
+def collect(
+    name: str, config: str, out: Path, steps: int, every: int, memory_steps: int, quick: bool, reuse: bool
+) -> dict:
     """Run one method (timed run, then the profiled one) and gather everything the table and plot need."""
     extra = ["--trainer.max_steps", str(steps), "--trainer.val_check_interval", str(every),
              "--trainer.max_time", "null"]  # fmt: skip
     if quick:
         extra += QUICK[name] + QUICK_ALL
-    started = time.perf_counter()
-    run = fit(config, out / name, extra)
-    wall = time.perf_counter() - started
+    run, info = fit(config, out / name, extra, reuse=reuse)
     train = read_scalar_events(str(run), list(TRAIN), optional=True)
     reward_model, head = ("tiny:llama", None) if quick else ("embedded", _shipped_head())
     held_out = held_out_scores(run, reward_model, head)
@@ -156,7 +169,7 @@ def collect(name: str, config: str, out: Path, steps: int, every: int, memory_st
         if quick:
             mem_extra += QUICK[name] + QUICK_ALL[:4]
         profiler = ["--config", "callbacks/memory_profiler.yaml"]
-        mem_run = fit(config, out / f"{name}-memory", [*profiler, *mem_extra])
+        mem_run, _ = fit(config, out / f"{name}-memory", [*profiler, *mem_extra], reuse=reuse)
         memory = memory_peaks(mem_run, phase_names(config))
     return {
         "config": config,
@@ -164,7 +177,7 @@ def collect(name: str, config: str, out: Path, steps: int, every: int, memory_st
         "examples": examples(run, ["vader_compound", "afinn_positive"], 4),
         "train": {k: [(e.step + 1, e.value) for e in v] for k, v in train.items()},  # by steps trained
         "seconds": training_seconds(run),
-        "wall": wall,
+        "run": info,
         "memory": memory,
     }
 
@@ -175,16 +188,16 @@ def _shipped_head() -> str:
     return shipped_head_file()
 
 
-def report(results: dict[str, dict], steps: int, every: int, window: int, cmd: str, load: list[float]) -> str:
+def report(results: dict[str, dict], steps: int, every: int, window: int, cmd: str, commit: str) -> str:
     names = list(results)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     columns = ("vader_positive", "afinn_positive", "vader_compound", "rm", "rm_positive",
                "completions/distinct_bigrams", "completions/mean_length")  # fmt: skip
     lines = [
         f"Command: `{cmd}`  ",
-        f"Code: lit_rl at {commit.stdout.strip() or 'unknown'}; machine: {os.cpu_count()} CPU cores, "
-        f"{platform.machine()}, Python {platform.python_version()}; 1-minute load average {load[0]:.1f} before, "
-        f"{load[1]:.1f} after. Seconds depend on the machine and its load; the scores are seeded and do not.",
+        f"Code: lit_rl at {commit or 'unknown'}; machine: {os.cpu_count()} CPU cores, {platform.machine()}, Python "
+        f"{platform.python_version()}; {torch_threads()} torch threads. Seconds depend on the machine and its load "
+        "(the 1-minute load average before and after each run is in the last table); the scores are seeded and do "
+        "not.",
         "",
         f"Both methods: {steps} optimizer steps of 16 completions, greedy completions of the same held-out "
         f"openings evaluated before the first step and every {every} steps. `vader_positive` and `afinn_positive`: "
@@ -224,8 +237,8 @@ def report(results: dict[str, dict], steps: int, every: int, window: int, cmd: s
         f"## Training samples (first {w} vs last {w} steps) and cost",
         "",
         "| method | KL per token | completion length | distinct bigrams | training s per step | whole run s "
-        "| peak GiB per phase (profiled run) |",
-        "| --- | --- | --- | --- | ---: | ---: | --- |",
+        "| load before, after | peak GiB per phase (profiled run) |",
+        "| --- | --- | --- | --- | ---: | ---: | --- | --- |",
     ]
     for name in names:
         r = results[name]
@@ -235,7 +248,11 @@ def report(results: dict[str, dict], steps: int, every: int, window: int, cmd: s
             cells.append(f"{mean(vals[:w]):.3f} → {mean(vals[-w:]):.3f}" if vals else "n/a")
         per_step = max(r["seconds"].values()) / steps
         memory = ", ".join(f"{p} {g:.2f}" for p, g in r["memory"].items()) or "not measured"
-        lines.append(f"| {name} | " + " | ".join(cells) + f" | {per_step:.1f} | {r['wall']:.0f} | {memory} |")
+        run = r["run"]
+        load = f"{run['load_before']:.1f}, {run['load_after']:.1f}"
+        lines.append(
+            f"| {name} | " + " | ".join(cells) + f" | {per_step:.1f} | {run['wall']:.0f} | {load} | {memory} |"
+        )
     for name in names:
         lines += ["", f"## {name}: held-out completions before and after", "", results[name]["examples"]]
     return "\n".join(lines)
@@ -247,14 +264,14 @@ def plot(results: dict[str, dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [("vader_positive", "VADER positive (held-out)"), ("afinn_positive", "AFINN positive (judge, held-out)"),
-              ("rm", "reward-model score (held-out)"), ("kl/mean", "KL per token (training)"),
-              ("completions/mean_length", "completion length (training)"),
-              ("completions/distinct_bigrams", "distinct bigrams (training)")]  # fmt: skip
+    panels = [("vader_positive", "VADER positive (held-out)", True),
+              ("afinn_positive", "AFINN positive (judge, held-out)", True),
+              ("rm", "reward-model score (held-out)", True), ("kl/mean", "KL per token (training)", False),
+              ("completions/mean_length", "completion length (training)", False),
+              ("completions/distinct_bigrams", "distinct bigrams (training)", False)]  # fmt: skip
     fig, axes = plt.subplots(2, len(panels), figsize=(3.2 * len(panels), 5.6), squeeze=False)
     for name, r in results.items():
-        for col, (key, title) in enumerate(panels):
-            held_out = key in r["held_out"].get(0, {})
+        for col, (key, title, held_out) in enumerate(panels):
             points = sorted((s, v[key]) for s, v in r["held_out"].items()) if held_out else r["train"].get(key, [])
             if not points:
                 continue
@@ -280,17 +297,18 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--out", default="runs/grade_vs_grpo", help="folder for the runs")
     parser.add_argument("--results", default="bench/results", help="folder for grade_vs_grpo.md and .png")
     parser.add_argument("--quick", action="store_true", help="tiny random models, a few tokens: a smoke test")
+    parser.add_argument("--reuse", action="store_true", help="read the runs already in --out instead of running them")
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.eval_every, args.memory_steps, args.window = 2, 1, 1, 1
-    load = [os.getloadavg()[0]]
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    out = Path(args.out)
     results = {
-        name: collect(name, config, Path(args.out), args.steps, args.eval_every, args.memory_steps, args.quick)
+        name: collect(name, config, out, args.steps, args.eval_every, args.memory_steps, args.quick, args.reuse)
         for name, config in METHODS.items()
     }
-    load.append(os.getloadavg()[0])
     cmd = f"python bench/bench_grade_vs_grpo.py {shlex.join(argv if argv is not None else sys.argv[1:])}".strip()
-    text = report(results, args.steps, args.eval_every, args.window, cmd, load)
+    text = report(results, args.steps, args.eval_every, args.window, cmd, commit.stdout.strip())
     results_dir = Path(args.results)
     results_dir.mkdir(parents=True, exist_ok=True)
     (results_dir / "grade_vs_grpo.md").write_text(
