@@ -1,0 +1,302 @@
+"""Intuitor on the embedded model: which settings keep held-out accuracy while self-certainty rises.
+
+Intuitor (Zhao et al., arXiv 2505.19590) rewards the policy's own self-certainty, so nothing in the reward
+says the arithmetic answer must be right; ``metric/correct_answer/mean`` (training samples) and
+``val/correct_answer`` (greedy completions of the held-out questions) only watch. This sweep runs
+``configs/intuitor.yaml`` with one named setting at a time (a list of ``lit-rl fit`` overrides), each in a fresh
+process, seeded, for ``--steps`` optimizer steps with a held-out evaluation before the first step and every
+``--every`` steps, then reads the run's TensorBoard scalars with ``plot_run.read_scalars``.
+
+The held-out evaluation completes with the method's ``max_new_tokens`` (``model.evaluation.max_new_tokens`` is
+not set), so a setting that gives more room also gives the evaluation more room: compare each setting's
+accuracy with its own start.
+
+Written to ``--results``: ``intuitor_sweep.md`` (a row per setting: held-out accuracy and clipped share at each
+evaluation, self-certainty and training accuracy over the first and last 10 steps, the final KL; the command,
+commit and machine) and ``intuitor_sweep.png`` (held-out accuracy and clipped share against the step, a line per
+setting). Each run's output is in ``--out/<setting>/fit.log``; checkpoints are deleted after reading (several
+hundred MiB each) unless ``--keep-checkpoints``.
+
+Run from the repository root, one run at a time (each 40-step run on the embedded model takes minutes on 2 CPU
+cores; wall times depend on the machine's load, the seeded numbers do not)::
+
+    nice -n 10 python bench/bench_intuitor.py                       # every setting
+    nice -n 10 python bench/bench_intuitor.py --settings baseline mask_truncated
+    nice -n 10 python bench/bench_intuitor.py --reuse               # table and plot from runs already in --out
+    python bench/bench_intuitor.py --quick                          # tiny random model, 2 steps: a smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))  # plot_run, the sibling that reads TensorBoard scalars
+
+from plot_run import read_scalars  # noqa: E402
+
+# name -> overrides on top of the config; 32 tokens is "room": the untrained model's greedy answers fit in it
+SETTINGS: dict[str, list[str]] = {
+    "baseline": [],
+    "room32": ["--model.init_args.max_new_tokens", "32"],
+    "mask_truncated": ["--model.init_args.mask_truncated_completions", "true"],
+    "room32_mask": ["--model.init_args.max_new_tokens", "32", "--model.init_args.mask_truncated_completions", "true"],
+    "temp0.7": ["--model.init_args.temperature", "0.7"],
+    "lr3e-6_room32": ["--model.init_args.learning_rate", "3.0e-6", "--model.init_args.max_new_tokens", "32"],
+    "gen16_room32": ["--model.init_args.num_generations", "16", "--model.init_args.max_new_tokens", "32"],
+    "instruction": ["--data.init_args.instruction", "Reply with only the final number and nothing else."],
+}
+QUICK_SETTINGS = ["baseline", "mask_truncated"]
+# (key, required): distinct_bigrams is logged only by code that has it; kl/mean only with beta > 0
+KEYS = (
+    ("val/correct_answer", True),
+    ("val/completions/clipped_ratio", True),
+    ("val/completions/mean_length", True),
+    ("self_certainty/mean", True),
+    ("metric/correct_answer/mean", True),
+    ("kl/mean", False),
+    ("val/completions/distinct_bigrams", False),
+)
+WINDOW = 10  # steps in the first / last window
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--settings", nargs="+", metavar="NAME", help=f"run these only, of: {', '.join(SETTINGS)}")
+    p.add_argument("--steps", type=int, help="optimizer steps per run (default 40; --quick 2)")
+    p.add_argument("--every", type=int, help="held-out evaluation every this many steps (default 10; --quick 1)")
+    p.add_argument("--config", help="base config (default configs/intuitor.yaml; --quick configs/intuitor_tiny.yaml)")
+    p.add_argument("--out", help="runs folder, a subfolder per setting (default runs/intuitor_sweep)")
+    p.add_argument("--results", help="folder for intuitor_sweep.md and .png (default bench/results)")
+    p.add_argument("--reuse", action="store_true", help="read a setting already run in --out instead of rerunning")
+    p.add_argument("--keep-checkpoints", action="store_true", help="keep each run's .ckpt files")
+    p.add_argument("--quick", action="store_true", help="tiny random model, 2 steps, 2 settings, temporary folders")
+    args = p.parse_args(argv)
+    unknown = [s for s in args.settings or [] if s not in SETTINGS]
+    if unknown:
+        p.error(f"--settings: unknown {', '.join(unknown)}; use some of {', '.join(SETTINGS)}")
+    quick = args.quick
+    args.settings = args.settings or (QUICK_SETTINGS if quick else list(SETTINGS))
+    args.steps = args.steps or (2 if quick else 40)
+    args.every = args.every or (1 if quick else 10)
+    args.config = args.config or ("configs/intuitor_tiny.yaml" if quick else "configs/intuitor.yaml")
+    scratch = tempfile.mkdtemp(prefix="lit_rl_intuitor_sweep_") if quick and not (args.out and args.results) else None
+    args.out = Path(args.out or (Path(scratch) / "runs" if quick else ROOT / "runs" / "intuitor_sweep"))
+    args.results = Path(args.results or (Path(scratch) if quick else ROOT / "bench" / "results"))
+    if args.steps < 1 or args.every < 1:
+        p.error("--steps and --every: must be >= 1")
+    return args
+
+
+def git_commit() -> str:
+    """Short hash of HEAD, with ``+changes`` when tracked files differ from it."""
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True)
+    return (head.stdout.strip() or "unknown") + ("+changes" if dirty.stdout.strip() else "")
+
+
+def fit_command(args: argparse.Namespace, name: str) -> list[str]:
+    return [
+        sys.executable, "-m", "lit_rl", "fit", "--config", args.config,
+        "--trainer.max_steps", str(args.steps), "--trainer.val_check_interval", str(args.every),
+        "--trainer.default_root_dir", str(args.out / name), *SETTINGS[name],
+    ]  # fmt: skip
+
+
+def run_setting(args: argparse.Namespace, name: str) -> dict:
+    """One fresh ``lit-rl fit`` of ``name``'s overrides; its metadata, also saved as ``run.json`` beside the logs."""
+    folder = args.out / name
+    shutil.rmtree(folder, ignore_errors=True)  # a fresh version_0
+    folder.mkdir(parents=True)
+    cmd = fit_command(args, name)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    load, start = os.getloadavg()[0], time.perf_counter()
+    with open(folder / "fit.log", "w") as log:
+        done = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    if done.returncode:
+        raise SystemExit(f"error: {name}: `{shlex.join(cmd)}` failed ({done.returncode}); see {folder / 'fit.log'}")
+    if not args.keep_checkpoints:
+        for ckpt in folder.rglob("*.ckpt"):
+            ckpt.unlink()
+    meta = {
+        "overrides": SETTINGS[name],
+        "command": shlex.join(["python", *cmd[1:]]),
+        "commit": git_commit(),
+        "wall_s": time.perf_counter() - start,
+        "load": [load, os.getloadavg()[0]],
+    }
+    (folder / "run.json").write_text(json.dumps(meta, indent=1) + "\n")
+    return meta
+
+
+def read_run(folder: Path) -> dict[str, list[tuple[int, float]]]:
+    """The sweep's scalars of one run, ``{key: [(step, value)]}``; optional keys the run did not log are left out."""
+    run_dir = str(folder / "lightning_logs" / "version_0")
+    series = read_scalars(run_dir, [k for k, required in KEYS if required])
+    for key, required in KEYS:
+        if not required:
+            try:
+                series.update(read_scalars(run_dir, [key]))
+            except SystemExit:  # read_scalars' answer for a key the run never logged
+                pass
+    return series
+
+
+def mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def summarize(series: dict[str, list[tuple[int, float]]]) -> dict:
+    """Held-out values per evaluation, first/last window means, and where held-out accuracy first fell below its start."""
+    acc = [v for _, v in series["val/correct_answer"]]
+    # optimizer steps done at each evaluation: Lightning logs step k's metrics, and the evaluation that follows it,
+    # at k - 1; the evaluation before training is logged at 0
+    steps = [0] + [s + 1 for s, _ in series["val/correct_answer"][1:]]
+    certainty = [v for _, v in series["self_certainty/mean"]]
+    train_acc = [v for _, v in series["metric/correct_answer/mean"]]
+    below = [i for i, v in enumerate(acc) if v < acc[0] - 1e-9]
+    return {
+        "eval_steps": steps,
+        "accuracy": acc,
+        "clipped": [v for _, v in series["val/completions/clipped_ratio"]],
+        "length": [v for _, v in series["val/completions/mean_length"]],
+        "bigrams": [v for _, v in series.get("val/completions/distinct_bigrams", [])],
+        "certainty": (mean(certainty[:WINDOW]), mean(certainty[-WINDOW:])),
+        "train_accuracy": (mean(train_acc[:WINDOW]), mean(train_acc[-WINDOW:])),
+        "kl": series["kl/mean"][-1][1] if "kl/mean" in series else None,
+        "first_drop": steps[below[0]] if below else None,  # first evaluation below the start
+        "safe_until": steps[below[0] - 1] if below else steps[-1],  # last evaluation before that one
+        "holds": acc[-1] >= acc[0] - 1e-9 and mean(certainty[-WINDOW:]) > mean(certainty[:WINDOW]),
+    }
+
+
+def shown(overrides: list[str]) -> str:
+    """``--model.init_args.key value`` pairs as ``key=value``, for the table."""
+    pairs = zip(overrides[::2], overrides[1::2])
+    return ", ".join(f"`{k.split('.')[-1]}={v}`" for k, v in pairs) or "(config as is)"
+
+
+def verdict(s: dict) -> str:
+    if s["holds"]:
+        return "holds"
+    if s["first_drop"] is None:
+        return "holds accuracy; certainty does not rise"
+    return f"below start from step {s['first_drop']} (at or above it until step {s['safe_until']})"
+
+
+def markdown(args: argparse.Namespace, argv: list[str], rows: dict[str, tuple[dict, dict]]) -> str:
+    def seq(values: list[float]) -> str:
+        return " → ".join(f"{v:.2f}" for v in values)
+
+    steps = sorted({s for _, summary in rows.values() for s in summary["eval_steps"]})
+    has_bigrams = any(summary["bigrams"] for _, summary in rows.values())
+    commits = sorted({meta["commit"] for meta, _ in rows.values()})
+    loads = [x for meta, _ in rows.values() for x in meta["load"]]
+    import torch
+
+    header = [
+        "setting", "overrides", f"held-out accuracy (steps {', '.join(map(str, steps))})", "held-out clipped share",
+        "held-out mean length", f"self-certainty first {WINDOW} → last {WINDOW}",
+        f"training accuracy first {WINDOW} → last {WINDOW}", "final KL",
+        *(["held-out distinct bigrams"] if has_bigrams else []), "verdict", "wall s",
+    ]  # fmt: skip
+    lines = [
+        "# Intuitor sweep: held-out accuracy while self-certainty rises",
+        "",
+        "Regenerate: `nice -n 10 python bench/bench_intuitor.py` (every setting, one run at a time). This file: "
+        f"`{shlex.join(['python', 'bench/bench_intuitor.py', *argv])}`, runs at commit {', '.join(commits)} (each "
+        "setting's commit and command are in `<out>/<setting>/run.json`).  ",
+        f"Machine: {os.cpu_count()} CPU cores, {platform.machine()}, Python {platform.python_version()}, "
+        f"torch {torch.__version__}; 1-minute load average {min(loads):.1f}-{max(loads):.1f} during the runs. "
+        "Wall times depend on the machine's load; the seeded numbers do not.",
+        "",
+        f"Each run: `python -m lit_rl fit --config {args.config} --trainer.max_steps {args.steps} "
+        f"--trainer.val_check_interval {args.every} --trainer.default_root_dir <out>/<setting> <overrides>`. Held-out: "
+        "greedy completions of the config's held-out questions at the method's `max_new_tokens`, before the first "
+        f"step and every {args.every} steps. Self-certainty and training accuracy are per-step means over the "
+        f"sampled completions (first and last {WINDOW} steps); the KL is the last step's. Verdict: `holds` when the "
+        "last held-out accuracy is not below the first while self-certainty rises; otherwise the first evaluation "
+        "below the start.",
+        "",
+        "| " + " | ".join(header) + " |",
+        "| --- | --- |" + " ---: |" * (len(header) - 4) + " --- | ---: |",
+    ]
+    for name, (meta, s) in rows.items():
+        cells = [
+            name,
+            shown(meta["overrides"]),
+            seq(s["accuracy"]),
+            seq(s["clipped"]),
+            " → ".join(f"{v:.1f}" for v in s["length"]),
+            f"{s['certainty'][0]:.2f} → {s['certainty'][1]:.2f}",
+            f"{s['train_accuracy'][0]:.3f} → {s['train_accuracy'][1]:.3f}",
+            "—" if s["kl"] is None else f"{s['kl']:.4f}",
+            *([seq(s["bigrams"]) if s["bigrams"] else "—"] if has_bigrams else []),
+            verdict(s),
+            f"{meta['wall_s']:.0f}",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: dict[str, tuple[dict, dict]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 1, figsize=(7.5, 6.5), sharex=True)
+    for i, (name, (_, s)) in enumerate(rows.items()):
+        style = dict(marker="o", lw=1.5, color=f"C{i % 10}", ls="-" if i < 10 else "--", label=name)
+        axes[0].plot(s["eval_steps"], s["accuracy"], **style)
+        axes[1].plot(s["eval_steps"], s["clipped"], **style)
+    axes[0].set_ylabel("held-out accuracy (greedy)")
+    axes[1].set_ylabel("held-out clipped share")
+    axes[1].set_xlabel("optimizer step")
+    for ax in axes:
+        ax.set_ylim(-0.03, 1.03)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7, ncol=2, loc="best")
+    axes[0].set_title("Intuitor on the embedded model: bench/bench_intuitor.py")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> str:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    print(f"runs in {args.out}, results in {args.results}", file=sys.stderr, flush=True)
+    rows: dict[str, tuple[dict, dict]] = {}
+    for i, name in enumerate(args.settings):
+        saved = args.out / name / "run.json"
+        if args.reuse and saved.exists():
+            meta = json.loads(saved.read_text())
+            print(f"[{i + 1}/{len(args.settings)}] {name}: reusing {args.out / name}", file=sys.stderr, flush=True)
+        else:
+            print(f"[{i + 1}/{len(args.settings)}] {name}: running, log {args.out / name / 'fit.log'}", file=sys.stderr)
+            meta = run_setting(args, name)
+            print(f"[{i + 1}/{len(args.settings)}] {name}: done in {meta['wall_s']:.0f} s", file=sys.stderr, flush=True)
+        rows[name] = (meta, summarize(read_run(args.out / name)))
+    text = markdown(args, argv, rows)
+    args.results.mkdir(parents=True, exist_ok=True)
+    (args.results / "intuitor_sweep.md").write_text(text)
+    plot(rows, args.results / "intuitor_sweep.png")
+    print(text)
+    print(f"wrote {args.results / 'intuitor_sweep.md'} and {args.results / 'intuitor_sweep.png'}", file=sys.stderr)
+    return text
+
+
+if __name__ == "__main__":
+    main()
