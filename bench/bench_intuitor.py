@@ -23,6 +23,7 @@ cores; wall times depend on the machine's load, the seeded numbers do not)::
     nice -n 10 python bench/bench_intuitor.py                       # every setting
     nice -n 10 python bench/bench_intuitor.py --settings baseline mask_truncated
     nice -n 10 python bench/bench_intuitor.py --reuse               # table and plot from runs already in --out
+    nice -n 10 python bench/bench_intuitor.py --reuse --shipped     # ... and the config as it is, in a table of its own
     python bench/bench_intuitor.py --quick                          # tiny random model, 2 steps: a smoke test
 """
 
@@ -44,6 +45,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))  # plot_run, the sibling that reads TensorBoard scalars
 
+import torch  # noqa: E402
 from plot_run import read_scalars  # noqa: E402
 
 # name -> overrides on top of the config; 32 tokens is "room": the untrained model's greedy answers fit in it
@@ -58,6 +60,7 @@ SETTINGS: dict[str, list[str]] = {
     "instruction": ["--data.init_args.instruction", "Reply with only the final number and nothing else."],
 }
 QUICK_SETTINGS = ["baseline", "mask_truncated"]
+SHIPPED = "shipped"  # --shipped: the config as it is, its own schedule, in --out/shipped
 # (key, required): distinct_bigrams is logged only by code that has it; kl/mean only with beta > 0
 KEYS = (
     ("val/correct_answer", True),
@@ -80,6 +83,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", help="runs folder, a subfolder per setting (default runs/intuitor_sweep)")
     p.add_argument("--results", help="folder for intuitor_sweep.md and .png (default bench/results)")
     p.add_argument("--reuse", action="store_true", help="read a setting already run in --out instead of rerunning")
+    p.add_argument(
+        "--shipped", action="store_true", help="also run the config as it is (its own steps and evaluations), last"
+    )
     p.add_argument("--keep-checkpoints", action="store_true", help="keep each run's .ckpt files")
     p.add_argument("--quick", action="store_true", help="tiny random model, 2 steps, 2 settings, temporary folders")
     args = p.parse_args(argv)
@@ -107,10 +113,11 @@ def git_commit() -> str:
 
 
 def fit_command(args: argparse.Namespace, name: str) -> list[str]:
+    """The setting's ``lit-rl fit``; the shipped config keeps its own ``max_steps`` and evaluation interval."""
+    schedule = ["--trainer.max_steps", str(args.steps), "--trainer.val_check_interval", str(args.every)]
     return [
-        sys.executable, "-m", "lit_rl", "fit", "--config", args.config,
-        "--trainer.max_steps", str(args.steps), "--trainer.val_check_interval", str(args.every),
-        "--trainer.default_root_dir", str(args.out / name), *SETTINGS[name],
+        sys.executable, "-m", "lit_rl", "fit", "--config", args.config, *([] if name == SHIPPED else schedule),
+        "--trainer.default_root_dir", str(args.out / name), *SETTINGS.get(name, []),
     ]  # fmt: skip
 
 
@@ -130,7 +137,7 @@ def run_setting(args: argparse.Namespace, name: str) -> dict:
         for ckpt in folder.rglob("*.ckpt"):
             ckpt.unlink()
     meta = {
-        "overrides": SETTINGS[name],
+        "overrides": SETTINGS.get(name, []),
         "command": shlex.join(["python", *cmd[1:]]),
         "commit": git_commit(),
         "wall_s": time.perf_counter() - start,
@@ -196,14 +203,10 @@ def verdict(s: dict) -> str:
 
 
 def markdown(args: argparse.Namespace, argv: list[str], rows: dict[str, tuple[dict, dict]]) -> str:
-    def seq(values: list[float]) -> str:
-        return " → ".join(f"{v:.2f}" for v in values)
-
-    steps = sorted({s for _, summary in rows.values() for s in summary["eval_steps"]})
+    steps = sorted({s for name, (_, summary) in rows.items() if name != SHIPPED for s in summary["eval_steps"]})
     has_bigrams = any(summary["bigrams"] for _, summary in rows.values())
     commits = sorted({meta["commit"] for meta, _ in rows.values()})
     loads = [x for meta, _ in rows.values() for x in meta["load"]]
-    import torch
 
     header = [
         "setting", "overrides", f"held-out accuracy (steps {', '.join(map(str, steps))})", "held-out clipped share",
@@ -214,7 +217,8 @@ def markdown(args: argparse.Namespace, argv: list[str], rows: dict[str, tuple[di
     lines = [
         "# Intuitor sweep: held-out accuracy while self-certainty rises",
         "",
-        "Regenerate: `nice -n 10 python bench/bench_intuitor.py` (every setting, one run at a time). This file: "
+        f"Regenerate: `nice -n 10 python bench/bench_intuitor.py{' --shipped' * (SHIPPED in rows)}` (every setting, "
+        "one run at a time). This file: "
         f"`{shlex.join(['python', 'bench/bench_intuitor.py', *argv])}`, runs at commit {', '.join(commits)} (each "
         "setting's commit and command are in `<out>/<setting>/run.json`).  ",
         f"Machine: {os.cpu_count()} CPU cores, {platform.machine()}, Python {platform.python_version()}, "
@@ -229,9 +233,33 @@ def markdown(args: argparse.Namespace, argv: list[str], rows: dict[str, tuple[di
         "last held-out accuracy is not below the first while self-certainty rises; otherwise the first evaluation "
         "below the start.",
         "",
-        "| " + " | ".join(header) + " |",
-        "| --- | --- |" + " ---: |" * (len(header) - 4) + " --- | ---: |",
     ]
+    sweep = {name: row for name, row in rows.items() if name != SHIPPED}
+    lines += table(header, sweep, has_bigrams)
+    if SHIPPED in rows:
+        meta, s = rows[SHIPPED]
+        lines += [
+            "",
+            "## The shipped config, as it is",
+            "",
+            f"`{meta['command']}`: held-out evaluations at steps {', '.join(map(str, s['eval_steps']))}.",
+            "",
+            *table(
+                [*header[:2], f"held-out accuracy (steps {', '.join(map(str, s['eval_steps']))})", *header[3:]],
+                {SHIPPED: rows[SHIPPED]},
+                has_bigrams,
+            ),
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def table(header: list[str], rows: dict[str, tuple[dict, dict]], has_bigrams: bool) -> list[str]:
+    """Markdown lines of one table: the header, then a row per setting."""
+
+    def seq(values: list[float]) -> str:
+        return " → ".join(f"{v:.2f}" for v in values)
+
+    lines = ["| " + " | ".join(header) + " |", "| --- | --- |" + " ---: |" * (len(header) - 4) + " --- | ---: |"]
     for name, (meta, s) in rows.items():
         cells = [
             name,
@@ -247,7 +275,7 @@ def markdown(args: argparse.Namespace, argv: list[str], rows: dict[str, tuple[di
             f"{meta['wall_s']:.0f}",
         ]
         lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def plot(rows: dict[str, tuple[dict, dict]], path: Path) -> None:
@@ -259,6 +287,8 @@ def plot(rows: dict[str, tuple[dict, dict]], path: Path) -> None:
     fig, axes = plt.subplots(2, 1, figsize=(7.5, 6.5), sharex=True)
     for i, (name, (_, s)) in enumerate(rows.items()):
         style = dict(marker="o", lw=1.5, color=f"C{i % 10}", ls="-" if i < 10 else "--", label=name)
+        if name == SHIPPED:
+            style.update(color="black", ls=":", label=f"{SHIPPED} config, as it is")
         axes[0].plot(s["eval_steps"], s["accuracy"], **style)
         axes[1].plot(s["eval_steps"], s["clipped"], **style)
     axes[0].set_ylabel("held-out accuracy (greedy)")
@@ -279,15 +309,16 @@ def main(argv: list[str] | None = None) -> str:
     args = parse_args(argv)
     print(f"runs in {args.out}, results in {args.results}", file=sys.stderr, flush=True)
     rows: dict[str, tuple[dict, dict]] = {}
-    for i, name in enumerate(args.settings):
+    names = [*args.settings, *([SHIPPED] if args.shipped else [])]
+    for i, name in enumerate(names):
         saved = args.out / name / "run.json"
         if args.reuse and saved.exists():
             meta = json.loads(saved.read_text())
-            print(f"[{i + 1}/{len(args.settings)}] {name}: reusing {args.out / name}", file=sys.stderr, flush=True)
+            print(f"[{i + 1}/{len(names)}] {name}: reusing {args.out / name}", file=sys.stderr, flush=True)
         else:
-            print(f"[{i + 1}/{len(args.settings)}] {name}: running, log {args.out / name / 'fit.log'}", file=sys.stderr)
+            print(f"[{i + 1}/{len(names)}] {name}: running, log {args.out / name / 'fit.log'}", file=sys.stderr)
             meta = run_setting(args, name)
-            print(f"[{i + 1}/{len(args.settings)}] {name}: done in {meta['wall_s']:.0f} s", file=sys.stderr, flush=True)
+            print(f"[{i + 1}/{len(names)}] {name}: done in {meta['wall_s']:.0f} s", file=sys.stderr, flush=True)
         rows[name] = (meta, summarize(read_run(args.out / name)))
     text = markdown(args, argv, rows)
     args.results.mkdir(parents=True, exist_ok=True)
