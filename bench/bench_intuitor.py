@@ -86,6 +86,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--shipped", action="store_true", help="also run the config as it is (its own steps and evaluations), last"
     )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="CPU threads per run (OMP_NUM_THREADS); 1: on shared cores a second thread mostly waits at barriers",
+    )
     p.add_argument("--keep-checkpoints", action="store_true", help="keep each run's .ckpt files")
     p.add_argument("--quick", action="store_true", help="tiny random model, 2 steps, 2 settings, temporary folders")
     args = p.parse_args(argv)
@@ -127,7 +133,13 @@ def run_setting(args: argparse.Namespace, name: str) -> dict:
     shutil.rmtree(folder, ignore_errors=True)  # a fresh version_0
     folder.mkdir(parents=True)
     cmd = fit_command(args, name)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        # a fixed thread count also fixes the floating-point order, so the seeded numbers repeat
+        "OMP_NUM_THREADS": str(args.threads),
+        "MKL_NUM_THREADS": str(args.threads),
+    }
     load, start = os.getloadavg()[0], time.perf_counter()
     with open(folder / "fit.log", "w") as log:
         done = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -140,6 +152,7 @@ def run_setting(args: argparse.Namespace, name: str) -> dict:
         "overrides": SETTINGS.get(name, []),
         "command": shlex.join(["python", *cmd[1:]]),
         "commit": git_commit(),
+        "threads": args.threads,
         "wall_s": time.perf_counter() - start,
         "load": [load, os.getloadavg()[0]],
     }
@@ -207,6 +220,7 @@ def markdown(args: argparse.Namespace, argv: list[str], rows: dict[str, tuple[di
     has_bigrams = any(summary["bigrams"] for _, summary in rows.values())
     commits = sorted({meta["commit"] for meta, _ in rows.values()})
     loads = [x for meta, _ in rows.values() for x in meta["load"]]
+    threads = ", ".join(sorted({str(meta.get("threads", "default")) for meta, _ in rows.values()}))
 
     header = [
         "setting", "overrides", f"held-out accuracy (steps {', '.join(map(str, steps))})", "held-out clipped share",
@@ -222,7 +236,7 @@ def markdown(args: argparse.Namespace, argv: list[str], rows: dict[str, tuple[di
         f"`{shlex.join(['python', 'bench/bench_intuitor.py', *argv])}`, runs at commit {', '.join(commits)} (each "
         "setting's commit and command are in `<out>/<setting>/run.json`).  ",
         f"Machine: {os.cpu_count()} CPU cores, {platform.machine()}, Python {platform.python_version()}, "
-        f"torch {torch.__version__}; 1-minute load average {min(loads):.1f}-{max(loads):.1f} during the runs. "
+        f"torch {torch.__version__}, {threads} thread(s) per run; 1-minute load average {min(loads):.1f}-{max(loads):.1f} during the runs. "
         "Wall times depend on the machine's load; the seeded numbers do not.",
         "",
         f"Each run: `python -m lit_rl fit --config {args.config} --trainer.max_steps {args.steps} "
