@@ -46,18 +46,21 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))  # plot_run, the sibling that reads TensorBoard scalars
 
 import torch  # noqa: E402
+import yaml  # noqa: E402
 from plot_run import read_scalars  # noqa: E402
 
 # name -> overrides on top of the config; 32 tokens is "room": the untrained model's greedy answers fit in it
+ROOM = ["--model.init_args.max_new_tokens", "32"]
+MASK = ["--model.init_args.mask_truncated_completions", "true"]
 SETTINGS: dict[str, list[str]] = {
     "baseline": [],
-    "room32": ["--model.init_args.max_new_tokens", "32"],
-    "mask_truncated": ["--model.init_args.mask_truncated_completions", "true"],
-    "room32_mask": ["--model.init_args.max_new_tokens", "32", "--model.init_args.mask_truncated_completions", "true"],
-    "temp0.7": ["--model.init_args.temperature", "0.7"],
-    "lr3e-6_room32": ["--model.init_args.learning_rate", "3.0e-6", "--model.init_args.max_new_tokens", "32"],
-    "gen16_room32": ["--model.init_args.num_generations", "16", "--model.init_args.max_new_tokens", "32"],
-    "instruction": ["--data.init_args.instruction", "Reply with only the final number and nothing else."],
+    "mask_truncated": MASK,
+    "room32_mask": [*ROOM, *MASK],
+    "room32": ROOM,
+    # second round: room32_mask held its start, then drifted down from its peak; slow it or anchor it
+    "room32_mask_lr3e-6": [*ROOM, *MASK, "--model.init_args.learning_rate", "3.0e-6"],
+    "room32_mask_beta0.04": [*ROOM, *MASK, "--model.init_args.beta", "0.04"],
+    "room32_mask_temp0.7": [*ROOM, *MASK, "--model.init_args.temperature", "0.7"],
 }
 QUICK_SETTINGS = ["baseline", "mask_truncated"]
 SHIPPED = "shipped"  # --shipped: the config as it is, its own schedule, in --out/shipped
@@ -68,10 +71,12 @@ KEYS = (
     ("val/completions/mean_length", True),
     ("self_certainty/mean", True),
     ("metric/correct_answer/mean", True),
+    ("completions/clipped_ratio", True),
     ("kl/mean", False),
     ("val/completions/distinct_bigrams", False),
 )
 WINDOW = 10  # steps in the first / last window
+FIRST, LAST = slice(None, WINDOW), slice(-WINDOW, None)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -140,7 +145,7 @@ def run_setting(args: argparse.Namespace, name: str) -> dict:
         "OMP_NUM_THREADS": str(args.threads),
         "MKL_NUM_THREADS": str(args.threads),
     }
-    load, start = os.getloadavg()[0], time.perf_counter()
+    load, start, commit = os.getloadavg()[0], time.perf_counter(), git_commit()
     with open(folder / "fit.log", "w") as log:
         done = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     if done.returncode:
@@ -151,7 +156,7 @@ def run_setting(args: argparse.Namespace, name: str) -> dict:
     meta = {
         "overrides": SETTINGS.get(name, []),
         "command": shlex.join(["python", *cmd[1:]]),
-        "commit": git_commit(),
+        "commit": commit,
         "threads": args.threads,
         "wall_s": time.perf_counter() - start,
         "load": [load, os.getloadavg()[0]],
@@ -160,24 +165,26 @@ def run_setting(args: argparse.Namespace, name: str) -> dict:
     return meta
 
 
-def read_run(folder: Path) -> dict[str, list[tuple[int, float]]]:
-    """The sweep's scalars of one run, ``{key: [(step, value)]}``; optional keys the run did not log are left out."""
-    run_dir = str(folder / "lightning_logs" / "version_0")
-    series = read_scalars(run_dir, [k for k, required in KEYS if required])
+def read_run(folder: Path) -> tuple[dict[str, list[tuple[int, float]]], bool]:
+    """The sweep's scalars of one run, ``{key: [(step, value)]}`` (optional keys the run did not log are left out),
+    and whether it masked truncated completions (from the config the run saved)."""
+    run_dir = folder / "lightning_logs" / "version_0"
+    series = read_scalars(str(run_dir), [k for k, required in KEYS if required])
     for key, required in KEYS:
         if not required:
             try:
-                series.update(read_scalars(run_dir, [key]))
+                series.update(read_scalars(str(run_dir), [key]))
             except SystemExit:  # read_scalars' answer for a key the run never logged
                 pass
-    return series
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    return series, bool(config["model"]["init_args"].get("mask_truncated_completions", False))
 
 
 def mean(values: list[float]) -> float:
-    return sum(values) / len(values)
+    return sum(values) / len(values) if values else float("nan")
 
 
-def summarize(series: dict[str, list[tuple[int, float]]]) -> dict:
+def summarize(series: dict[str, list[tuple[int, float]]], masked: bool) -> dict:
     """Held-out values per evaluation, first/last window means, and where held-out accuracy first fell below its start."""
     acc = [v for _, v in series["val/correct_answer"]]
     # optimizer steps done at each evaluation: Lightning logs step k's metrics, and the evaluation that follows it,
@@ -186,18 +193,25 @@ def summarize(series: dict[str, list[tuple[int, float]]]) -> dict:
     certainty = [v for _, v in series["self_certainty/mean"]]
     train_acc = [v for _, v in series["metric/correct_answer/mean"]]
     below = [i for i, v in enumerate(acc) if v < acc[0] - 1e-9]
+    # with mask_truncated_completions a truncated completion's mask is all zero, so its self-certainty (its reward)
+    # is 0 and self_certainty/mean averages those zeros in: dividing by the share that finished gives the mean over
+    # the completions that finished; steps where every completion was cut have none and are left out
+    cut = [v for _, v in series["completions/clipped_ratio"]] if masked else [0.0] * len(certainty)
+    scored = [[c / (1 - r) for c, r in zip(certainty[w], cut[w]) if r < 1] for w in (FIRST, LAST)]
     return {
+        "masked": masked,
         "eval_steps": steps,
         "accuracy": acc,
         "clipped": [v for _, v in series["val/completions/clipped_ratio"]],
         "length": [v for _, v in series["val/completions/mean_length"]],
         "bigrams": [v for _, v in series.get("val/completions/distinct_bigrams", [])],
-        "certainty": (mean(certainty[:WINDOW]), mean(certainty[-WINDOW:])),
-        "train_accuracy": (mean(train_acc[:WINDOW]), mean(train_acc[-WINDOW:])),
+        "certainty": (mean(certainty[FIRST]), mean(certainty[LAST])),
+        "scored_certainty": (mean(scored[0]), mean(scored[1])),
+        "train_accuracy": (mean(train_acc[FIRST]), mean(train_acc[LAST])),
         "kl": series["kl/mean"][-1][1] if "kl/mean" in series else None,
         "first_drop": steps[below[0]] if below else None,  # first evaluation below the start
         "safe_until": steps[below[0] - 1] if below else steps[-1],  # last evaluation before that one
-        "holds": acc[-1] >= acc[0] - 1e-9 and mean(certainty[-WINDOW:]) > mean(certainty[:WINDOW]),
+        "holds": acc[-1] >= acc[0] - 1e-9 and mean(scored[1]) > mean(scored[0]),
     }
 
 
@@ -224,7 +238,8 @@ def markdown(args: argparse.Namespace, argv: list[str], rows: dict[str, tuple[di
 
     header = [
         "setting", "overrides", f"held-out accuracy (steps {', '.join(map(str, steps))})", "held-out clipped share",
-        "held-out mean length", f"self-certainty first {WINDOW} → last {WINDOW}",
+        "held-out mean length", f"self_certainty/mean first {WINDOW} → last {WINDOW}",
+        "self-certainty per finished completion (masked runs)",
         f"training accuracy first {WINDOW} → last {WINDOW}", "final KL",
         *(["held-out distinct bigrams"] if has_bigrams else []), "verdict", "wall s",
     ]  # fmt: skip
@@ -243,9 +258,13 @@ def markdown(args: argparse.Namespace, argv: list[str], rows: dict[str, tuple[di
         f"--trainer.val_check_interval {args.every} --trainer.default_root_dir <out>/<setting> <overrides>`. Held-out: "
         "greedy completions of the config's held-out questions at the method's `max_new_tokens`, before the first "
         f"step and every {args.every} steps. Self-certainty and training accuracy are per-step means over the "
-        f"sampled completions (first and last {WINDOW} steps); the KL is the last step's. Verdict: `holds` when the "
-        "last held-out accuracy is not below the first while self-certainty rises; otherwise the first evaluation "
-        "below the start.",
+        f"sampled completions (first and last {WINDOW} steps); the KL is the last step's. With "
+        "`mask_truncated_completions` a truncated completion's mask is empty, so its self-certainty, its whole reward, "
+        "is 0 (the lowest of its group: masking is also a length penalty here) and `self_certainty/mean` averages "
+        "those zeros in; the next column divides them out (`self_certainty/mean / (1 - completions/clipped_ratio)`, "
+        "steps where every completion was cut left out). Verdict: `holds` when the last held-out accuracy is not "
+        "below the first while self-certainty (per finished completion where masked) rises; otherwise the first "
+        "evaluation below the start and the last at or above it.",
         "",
     ]
     sweep = {name: row for name, row in rows.items() if name != SHIPPED}
@@ -282,6 +301,7 @@ def table(header: list[str], rows: dict[str, tuple[dict, dict]], has_bigrams: bo
             seq(s["clipped"]),
             " → ".join(f"{v:.1f}" for v in s["length"]),
             f"{s['certainty'][0]:.2f} → {s['certainty'][1]:.2f}",
+            f"{s['scored_certainty'][0]:.2f} → {s['scored_certainty'][1]:.2f}" if s["masked"] else "—",
             f"{s['train_accuracy'][0]:.3f} → {s['train_accuracy'][1]:.3f}",
             "—" if s["kl"] is None else f"{s['kl']:.4f}",
             *([seq(s["bigrams"]) if s["bigrams"] else "—"] if has_bigrams else []),
@@ -333,7 +353,7 @@ def main(argv: list[str] | None = None) -> str:
             print(f"[{i + 1}/{len(names)}] {name}: running, log {args.out / name / 'fit.log'}", file=sys.stderr)
             meta = run_setting(args, name)
             print(f"[{i + 1}/{len(names)}] {name}: done in {meta['wall_s']:.0f} s", file=sys.stderr, flush=True)
-        rows[name] = (meta, summarize(read_run(args.out / name)))
+        rows[name] = (meta, summarize(*read_run(args.out / name)))
     text = markdown(args, argv, rows)
     args.results.mkdir(parents=True, exist_ok=True)
     (args.results / "intuitor_sweep.md").write_text(text)
