@@ -49,7 +49,8 @@ import torch  # noqa: E402
 import yaml  # noqa: E402
 from plot_run import read_scalars  # noqa: E402
 
-# name -> overrides on top of the config; 32 tokens is "room": the untrained model's greedy answers fit in it
+# name -> overrides on top of the config; "room32": max_new_tokens 32, where the configured 12 cuts most sampled
+# completions of the untrained model before they finish
 ROOM = ["--model.init_args.max_new_tokens", "32"]
 MASK = ["--model.init_args.mask_truncated_completions", "true"]
 SETTINGS: dict[str, list[str]] = {
@@ -165,9 +166,9 @@ def run_setting(args: argparse.Namespace, name: str) -> dict:
     return meta
 
 
-def read_run(folder: Path) -> tuple[dict[str, list[tuple[int, float]]], bool]:
+def read_run(folder: Path) -> tuple[dict[str, list[tuple[int, float]]], dict]:
     """The sweep's scalars of one run, ``{key: [(step, value)]}`` (optional keys the run did not log are left out),
-    and whether it masked truncated completions (from the config the run saved)."""
+    and the config the run saved."""
     run_dir = folder / "lightning_logs" / "version_0"
     series = read_scalars(str(run_dir), [k for k, required in KEYS if required])
     for key, required in KEYS:
@@ -176,16 +177,16 @@ def read_run(folder: Path) -> tuple[dict[str, list[tuple[int, float]]], bool]:
                 series.update(read_scalars(str(run_dir), [key]))
             except SystemExit:  # read_scalars' answer for a key the run never logged
                 pass
-    config = yaml.safe_load((run_dir / "config.yaml").read_text())
-    return series, bool(config["model"]["init_args"].get("mask_truncated_completions", False))
+    return series, yaml.safe_load((run_dir / "config.yaml").read_text())
 
 
 def mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
-def summarize(series: dict[str, list[tuple[int, float]]], masked: bool) -> dict:
+def summarize(series: dict[str, list[tuple[int, float]]], config: dict) -> dict:
     """Held-out values per evaluation, first/last window means, and where held-out accuracy first fell below its start."""
+    masked = bool(config["model"]["init_args"].get("mask_truncated_completions", False))
     acc = [v for _, v in series["val/correct_answer"]]
     # optimizer steps done at each evaluation: Lightning logs step k's metrics, and the evaluation that follows it,
     # at k - 1; the evaluation before training is logged at 0
@@ -200,6 +201,7 @@ def summarize(series: dict[str, list[tuple[int, float]]], masked: bool) -> dict:
     scored = [[c / (1 - r) for c, r in zip(certainty[w], cut[w]) if r < 1] for w in (FIRST, LAST)]
     return {
         "masked": masked,
+        "held_out": config["data"]["init_args"].get("val_size"),
         "eval_steps": steps,
         "accuracy": acc,
         "clipped": [v for _, v in series["val/completions/clipped_ratio"]],
@@ -223,10 +225,12 @@ def shown(overrides: list[str]) -> str:
 
 def verdict(s: dict) -> str:
     if s["holds"]:
-        return "holds"
+        if s["first_drop"] is None:
+            return "holds at every evaluation"
+        return f"holds at the end; below the start at step {s['first_drop']}"
     if s["first_drop"] is None:
         return "holds accuracy; certainty does not rise"
-    return f"below start from step {s['first_drop']} (at or above it until step {s['safe_until']})"
+    return f"below the start from step {s['first_drop']} (not before step {s['safe_until']})"
 
 
 def markdown(args: argparse.Namespace, argv: list[str], rows: dict[str, tuple[dict, dict]]) -> str:
@@ -234,6 +238,7 @@ def markdown(args: argparse.Namespace, argv: list[str], rows: dict[str, tuple[di
     has_bigrams = any(summary["bigrams"] for _, summary in rows.values())
     commits = sorted({meta["commit"] for meta, _ in rows.values()})
     loads = [x for meta, _ in rows.values() for x in meta["load"]]
+    held_out = ", ".join(sorted({str(summary["held_out"]) for _, summary in rows.values()}))
     threads = ", ".join(sorted({str(meta.get("threads", "default")) for meta, _ in rows.values()}))
 
     header = [
@@ -262,9 +267,12 @@ def markdown(args: argparse.Namespace, argv: list[str], rows: dict[str, tuple[di
         "`mask_truncated_completions` a truncated completion's mask is empty, so its self-certainty, its whole reward, "
         "is 0 (the lowest of its group: masking is also a length penalty here) and `self_certainty/mean` averages "
         "those zeros in; the next column divides them out (`self_certainty/mean / (1 - completions/clipped_ratio)`, "
-        "steps where every completion was cut left out). Verdict: `holds` when the last held-out accuracy is not "
-        "below the first while self-certainty (per finished completion where masked) rises; otherwise the first "
-        "evaluation below the start and the last at or above it.",
+        "steps where every completion was cut left out). Self-certainty is computed at the sampling temperature, so "
+        "rows at another temperature are not comparable with the rest. Verdict: `holds` when the last held-out "
+        "accuracy is not below the first while self-certainty (per finished completion where masked) rises, with the "
+        "first evaluation below the start if any; otherwise the first evaluation below the start and the last one "
+        f"not below it. Held-out questions: {held_out} (one question is 1/{held_out} of the accuracy). `+changes` "
+        "after a commit: tracked files differed from it when the run started.",
         "",
     ]
     sweep = {name: row for name, row in rows.items() if name != SHIPPED}
