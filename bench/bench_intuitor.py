@@ -3,9 +3,11 @@
 Intuitor (Zhao et al., arXiv 2505.19590) rewards the policy's own self-certainty, so nothing in the reward
 says the arithmetic answer must be right; ``metric/correct_answer/mean`` (training samples) and
 ``val/correct_answer`` (greedy completions of the held-out questions) only watch. This sweep runs
-``configs/intuitor.yaml`` with one named setting at a time (a list of ``lit-rl fit`` overrides), each in a fresh
+``configs/intuitor.yaml`` with one named setting at a time (``lit-rl fit`` overrides on top of ``FIRST``, the
+config's setting before the sweep, so that moving the config to the chosen setting changes no row), each in a fresh
 process, seeded, for ``--steps`` optimizer steps with a held-out evaluation before the first step and every
-``--every`` steps, then reads the run's TensorBoard scalars with ``plot_run.read_scalars``.
+``--every`` steps, then reads the run's TensorBoard scalars with ``plot_run.read_scalars``. ``--shipped`` also runs
+the config as it is, with its own steps and evaluations.
 
 The held-out evaluation completes with the method's ``max_new_tokens`` (``model.evaluation.max_new_tokens`` is
 not set), so a setting that gives more room also gives the evaluation more room: compare each setting's
@@ -14,8 +16,9 @@ accuracy with its own start.
 Written to ``--results``: ``intuitor_sweep.md`` (a row per setting: held-out accuracy and clipped share at each
 evaluation, self-certainty and training accuracy over the first and last 10 steps, the final KL; the command,
 commit and machine) and ``intuitor_sweep.png`` (held-out accuracy and clipped share against the step, a line per
-setting). Each run's output is in ``--out/<setting>/fit.log``; checkpoints are deleted after reading (several
-hundred MiB each) unless ``--keep-checkpoints``.
+setting). Each run's output is in ``--out/<setting>/fit.log``, its metadata in ``run.json`` beside it; checkpoints
+(weights and AdamW state) are deleted after reading unless ``--keep-checkpoints``. Each run gets ``--threads`` CPU
+threads (1 by default: on cores shared with other jobs a second thread mostly waits at barriers).
 
 Run from the repository root, one run at a time (each 40-step run on the embedded model takes minutes on 2 CPU
 cores; wall times depend on the machine's load, the seeded numbers do not)::
@@ -49,7 +52,13 @@ import torch  # noqa: E402
 import yaml  # noqa: E402
 from plot_run import read_scalars  # noqa: E402
 
-# name -> overrides on top of the config; "room32": max_new_tokens 32, where the configured 12 cuts most sampled
+# configs/intuitor.yaml's setting before this sweep: every setting starts from it (on the embedded config), so the
+# sweep reruns the same runs after the config moves to the setting it chose
+FIRST = [
+    "--model.init_args.max_new_tokens", "12", "--model.init_args.mask_truncated_completions", "false",
+    "--model.init_args.learning_rate", "1.0e-5",
+]  # fmt: skip
+# name -> overrides on top of FIRST; "room32": max_new_tokens 32, where FIRST's 12 cuts most sampled
 # completions of the untrained model before they finish
 ROOM = ["--model.init_args.max_new_tokens", "32"]
 MASK = ["--model.init_args.mask_truncated_completions", "true"]
@@ -77,7 +86,7 @@ KEYS = (
     ("val/completions/distinct_bigrams", False),
 )
 WINDOW = 10  # steps in the first / last window
-FIRST, LAST = slice(None, WINDOW), slice(-WINDOW, None)
+EARLY, LATE = slice(None, WINDOW), slice(-WINDOW, None)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -126,11 +135,19 @@ def git_commit() -> str:
 
 def fit_command(args: argparse.Namespace, name: str) -> list[str]:
     """The setting's ``lit-rl fit``; the shipped config keeps its own ``max_steps`` and evaluation interval."""
-    schedule = ["--trainer.max_steps", str(args.steps), "--trainer.val_check_interval", str(args.every)]
+    if name == SHIPPED:
+        return [sys.executable, "-m", "lit_rl", "fit", "--config", args.config,
+                "--trainer.default_root_dir", str(args.out / name)]  # fmt: skip
     return [
-        sys.executable, "-m", "lit_rl", "fit", "--config", args.config, *([] if name == SHIPPED else schedule),
-        "--trainer.default_root_dir", str(args.out / name), *SETTINGS.get(name, []),
+        sys.executable, "-m", "lit_rl", "fit", "--config", args.config,
+        "--trainer.max_steps", str(args.steps), "--trainer.val_check_interval", str(args.every),
+        "--trainer.default_root_dir", str(args.out / name), *base(args), *SETTINGS[name],
     ]  # fmt: skip
+
+
+def base(args: argparse.Namespace) -> list[str]:
+    """What every setting starts from: FIRST, or the config as it is with --quick (the tiny config's own lengths)."""
+    return [] if args.quick else FIRST
 
 
 def run_setting(args: argparse.Namespace, name: str) -> dict:
@@ -185,7 +202,7 @@ def mean(values: list[float]) -> float:
 
 
 def summarize(series: dict[str, list[tuple[int, float]]], config: dict) -> dict:
-    """Held-out values per evaluation, first/last window means, and where held-out accuracy first fell below its start."""
+    """Held-out values per evaluation, first/last window means, where held-out accuracy first fell below its start."""
     masked = bool(config["model"]["init_args"].get("mask_truncated_completions", False))
     acc = [v for _, v in series["val/correct_answer"]]
     # optimizer steps done at each evaluation: Lightning logs step k's metrics, and the evaluation that follows it,
@@ -198,7 +215,7 @@ def summarize(series: dict[str, list[tuple[int, float]]], config: dict) -> dict:
     # is 0 and self_certainty/mean averages those zeros in: dividing by the share that finished gives the mean over
     # the completions that finished; steps where every completion was cut have none and are left out
     cut = [v for _, v in series["completions/clipped_ratio"]] if masked else [0.0] * len(certainty)
-    scored = [[c / (1 - r) for c, r in zip(certainty[w], cut[w]) if r < 1] for w in (FIRST, LAST)]
+    scored = [[c / (1 - r) for c, r in zip(certainty[w], cut[w]) if r < 1] for w in (EARLY, LATE)]
     return {
         "masked": masked,
         "held_out": config["data"]["init_args"].get("val_size"),
@@ -207,9 +224,9 @@ def summarize(series: dict[str, list[tuple[int, float]]], config: dict) -> dict:
         "clipped": [v for _, v in series["val/completions/clipped_ratio"]],
         "length": [v for _, v in series["val/completions/mean_length"]],
         "bigrams": [v for _, v in series.get("val/completions/distinct_bigrams", [])],
-        "certainty": (mean(certainty[FIRST]), mean(certainty[LAST])),
+        "certainty": (mean(certainty[EARLY]), mean(certainty[LATE])),
         "scored_certainty": (mean(scored[0]), mean(scored[1])),
-        "train_accuracy": (mean(train_acc[FIRST]), mean(train_acc[LAST])),
+        "train_accuracy": (mean(train_acc[EARLY]), mean(train_acc[LATE])),
         "kl": series["kl/mean"][-1][1] if "kl/mean" in series else None,
         "first_drop": steps[below[0]] if below else None,  # first evaluation below the start
         "safe_until": steps[below[0] - 1] if below else steps[-1],  # last evaluation before that one
@@ -220,7 +237,7 @@ def summarize(series: dict[str, list[tuple[int, float]]], config: dict) -> dict:
 def shown(overrides: list[str]) -> str:
     """``--model.init_args.key value`` pairs as ``key=value``, for the table."""
     pairs = zip(overrides[::2], overrides[1::2])
-    return ", ".join(f"`{k.split('.')[-1]}={v}`" for k, v in pairs) or "(config as is)"
+    return ", ".join(f"`{k.split('.')[-1]}={v}`" for k, v in pairs) or "(none)"
 
 
 def verdict(s: dict) -> str:
@@ -239,7 +256,7 @@ def markdown(args: argparse.Namespace, argv: list[str], rows: dict[str, tuple[di
     commits = sorted({meta["commit"] for meta, _ in rows.values()})
     loads = [x for meta, _ in rows.values() for x in meta["load"]]
     held_out = ", ".join(sorted({str(summary["held_out"]) for _, summary in rows.values()}))
-    threads = ", ".join(sorted({str(meta.get("threads", "default")) for meta, _ in rows.values()}))
+    threads = ", ".join(sorted({str(meta["threads"]) for name, (meta, _) in rows.items() if name != SHIPPED}))
 
     header = [
         "setting", "overrides", f"held-out accuracy (steps {', '.join(map(str, steps))})", "held-out clipped share",
@@ -256,14 +273,19 @@ def markdown(args: argparse.Namespace, argv: list[str], rows: dict[str, tuple[di
         f"`{shlex.join(['python', 'bench/bench_intuitor.py', *argv])}`, runs at commit {', '.join(commits)} (each "
         "setting's commit and command are in `<out>/<setting>/run.json`).  ",
         f"Machine: {os.cpu_count()} CPU cores, {platform.machine()}, Python {platform.python_version()}, "
-        f"torch {torch.__version__}, {threads} thread(s) per run; 1-minute load average {min(loads):.1f}-{max(loads):.1f} during the runs. "
+        f"torch {torch.__version__}; CPU threads per sweep run: {threads}; 1-minute load average "
+        f"{min(loads):.1f}-{max(loads):.1f} during the runs. "
         "Wall times depend on the machine's load; the seeded numbers do not.",
         "",
         f"Each run: `python -m lit_rl fit --config {args.config} --trainer.max_steps {args.steps} "
-        f"--trainer.val_check_interval {args.every} --trainer.default_root_dir <out>/<setting> <overrides>`. Held-out: "
-        "greedy completions of the config's held-out questions at the method's `max_new_tokens`, before the first "
-        f"step and every {args.every} steps. Self-certainty and training accuracy are per-step means over the "
-        f"sampled completions (first and last {WINDOW} steps); the KL is the last step's. With "
+        f"--trainer.val_check_interval {args.every} --trainer.default_root_dir <out>/<setting> "
+        f"{' '.join([*base(args), '<overrides>'])}`: every setting starts from "
+        f"{shown(base(args)) if base(args) else 'the config as it is'}"
+        f"{' (the config before this sweep)' if base(args) else ''} and changes what its overrides say. Held-out: "
+        "greedy completions of the config's held-out questions at the method's `max_new_tokens` (so a setting with "
+        f"more tokens starts from another accuracy), before the first step and every {args.every} steps. "
+        "Self-certainty and training accuracy are per-step means over the sampled completions"
+        f" (first and last {WINDOW} steps); the KL is the last step's. With "
         "`mask_truncated_completions` a truncated completion's mask is empty, so its self-certainty, its whole reward, "
         "is 0 (the lowest of its group: masking is also a length penalty here) and `self_certainty/mean` averages "
         "those zeros in; the next column divides them out (`self_certainty/mean / (1 - completions/clipped_ratio)`, "
@@ -279,11 +301,21 @@ def markdown(args: argparse.Namespace, argv: list[str], rows: dict[str, tuple[di
     lines += table(header, sweep, has_bigrams)
     if SHIPPED in rows:
         meta, s = rows[SHIPPED]
+        keys = ("accuracy", "clipped", "length", "certainty", "train_accuracy", "kl")
+        twins = [name for name, (_, other) in sweep.items() if all(other[k] == s[k] for k in keys)]
+        twin = (
+            f" Its numbers are those of the `{twins[0]}` row, run with {sweep[twins[0]][0]['threads']} thread(s): "
+            "the seeded numbers repeat."
+            if twins
+            else ""
+        )
         lines += [
             "",
             "## The shipped config, as it is",
             "",
-            f"`{meta['command']}`: held-out evaluations at steps {', '.join(map(str, s['eval_steps']))}.",
+            f"`OMP_NUM_THREADS={meta['threads']} {meta['command'].replace(f'{ROOT}{os.sep}', '')}`: held-out "
+            "evaluations at steps "
+            f"{', '.join(map(str, s['eval_steps']))}.{twin}",
             "",
             *table(
                 [*header[:2], f"held-out accuracy (steps {', '.join(map(str, s['eval_steps']))})", *header[3:]],
@@ -330,7 +362,7 @@ def plot(rows: dict[str, tuple[dict, dict]], path: Path) -> None:
     for i, (name, (_, s)) in enumerate(rows.items()):
         style = dict(marker="o", lw=1.5, color=f"C{i % 10}", ls="-" if i < 10 else "--", label=name)
         if name == SHIPPED:
-            style.update(color="black", ls=":", label=f"{SHIPPED} config, as it is")
+            style.update(color="black", ls=":", marker="s", mfc="none", ms=10, label=f"{SHIPPED} config, as it is")
         axes[0].plot(s["eval_steps"], s["accuracy"], **style)
         axes[1].plot(s["eval_steps"], s["clipped"], **style)
     axes[0].set_ylabel("held-out accuracy (greedy)")

@@ -59,7 +59,7 @@ def test_quick_sweep_writes_a_row_per_setting(tmp_path):
         assert len(_numbers(cell["self_certainty/mean first 10 → last 10"])) == 2
         assert cell["verdict"].startswith(("holds", "below the start from step"))
         assert float(cell["wall s"]) > 0
-    assert rows[0][1] == "(config as is)" and rows[1][1] == "`mask_truncated_completions=true`"
+    assert rows[0][1] == "(none)" and rows[1][1] == "`mask_truncated_completions=true`"
     # the per-finished-completion self-certainty is given for the masked run only
     assert rows[0][6] == "—" and rows[1][6] != "—"
 
