@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from lightning.pytorch import Trainer
 from lightning.pytorch.loggers import Logger
 
 
@@ -37,3 +38,18 @@ def capture_logger() -> CaptureLogger:
 @pytest.fixture(autouse=True)
 def _isolated_cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("LIT_RL_CACHE", str(tmp_path_factory.getbasetemp() / "lit-rl-cache"))
+
+
+@pytest.fixture
+def quiet_trainer(tmp_path):
+    """``make(**settings)``: a CPU Trainer that writes under the test's folder, with no progress bar, model summary,
+    checkpoints or sanity validation, logging every step; ``settings`` add to or override these."""
+
+    def make(**settings) -> Trainer:
+        defaults = dict(
+            accelerator="cpu", num_sanity_val_steps=0, log_every_n_steps=1, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+        )  # fmt: skip
+        return Trainer(**{**defaults, **settings})
+
+    return make

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from lightning.pytorch import Trainer
 
 from lit_rl.cli import LitRLCLI
 from lit_rl.data import PromptDataModule
@@ -47,18 +46,14 @@ def test_eval_settings_refuse_k_identical_greedy_samples():
         PromptDataModule(val_size=4, val_source="held_out.jsonl")
 
 
-def test_held_out_scores_before_and_during_training(capture_logger, tmp_path):
+def test_held_out_scores_before_and_during_training(capture_logger, quiet_trainer):
     method = RefCachedGRPO(
         name_or_path="tiny:llama", num_generations=2, max_new_tokens=4,
         metric_funcs=["lit_rl.data.rewards.number_only"],
         evaluation=EvalSettings(num_samples=4, temperature=1.0),
     )  # fmt: skip
     data = PromptDataModule(num_prompts=64, batch_size=2, max_prompt_length=64, val_size=6, val_batch_size=4)
-    trainer = Trainer(
-        accelerator="cpu", max_steps=3, val_check_interval=2, check_val_every_n_epoch=None, num_sanity_val_steps=0,
-        log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        logger=capture_logger, default_root_dir=tmp_path,
-    )  # fmt: skip
+    trainer = quiet_trainer(max_steps=3, val_check_interval=2, check_val_every_n_epoch=None, logger=capture_logger)
     trainer.fit(method, data)
     logged = capture_logger.metrics
     for name in ("correct_answer", "number_only"):

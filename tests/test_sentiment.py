@@ -8,7 +8,6 @@ import random
 
 import pytest
 import torch
-from lightning.pytorch import Trainer
 
 from lit_rl.data import PromptDataModule
 from lit_rl.data.sentiment import (
@@ -71,7 +70,9 @@ def test_distinct_bigrams_is_the_share_of_distinct_token_pairs():
     assert distinct_bigrams(torch.tensor([[3, 4, 3, 4, 3, 4]]), torch.tensor([6])).item() == pytest.approx(2 / 5)
 
 
-def test_the_judges_and_the_degeneration_signal_reach_val_and_the_completions_file(capture_logger, tmp_path):
+def test_the_judges_and_the_degeneration_signal_reach_val_and_the_completions_file(
+    capture_logger, quiet_trainer, tmp_path
+):
     method = RefCachedGRPO(
         name_or_path="tiny:llama", num_generations=2, max_new_tokens=4,
         reward_funcs=["lit_rl.data.sentiment.vader_compound"], metric_funcs=JUDGES,
@@ -79,11 +80,7 @@ def test_the_judges_and_the_degeneration_signal_reach_val_and_the_completions_fi
     data = PromptDataModule(
         source="reviews", num_prompts=32, batch_size=2, val_size=4, instruction=None, chat_template=False
     )
-    trainer = Trainer(
-        accelerator="cpu", max_steps=2, val_check_interval=2, check_val_every_n_epoch=None, num_sanity_val_steps=0,
-        log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        logger=capture_logger, default_root_dir=tmp_path,
-    )  # fmt: skip
+    trainer = quiet_trainer(max_steps=2, val_check_interval=2, check_val_every_n_epoch=None, logger=capture_logger)
     trainer.fit(method, data)
     logged = capture_logger.metrics
     for key in ("val/vader_positive", "val/afinn_positive", "val/vader_compound", "val/completions/distinct_bigrams"):
@@ -100,15 +97,12 @@ def test_the_judges_and_the_degeneration_signal_reach_val_and_the_completions_fi
     assert logged["val/afinn_positive"][-1][1] == pytest.approx(mean)
 
 
-def test_gumbel_topk_logs_the_judges_on_the_sentiment_task(capture_logger, tmp_path):
+def test_gumbel_topk_logs_the_judges_on_the_sentiment_task(capture_logger, quiet_trainer):
     method = GumbelTopK(
         name_or_path="tiny:llama", reward_model="tiny:llama", max_new_tokens=3, gumbel_topk=4, metric_funcs=JUDGES
     )
     data = PromptDataModule(source="reviews", num_prompts=16, batch_size=2, val_size=2, instruction=None)
-    trainer = Trainer(
-        accelerator="cpu", max_steps=1, num_sanity_val_steps=0, log_every_n_steps=1, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, logger=capture_logger, default_root_dir=tmp_path,
-    )  # fmt: skip
+    trainer = quiet_trainer(max_steps=1, logger=capture_logger)
     trainer.fit(method, data)
     assert {"metric/afinn_positive/mean", "val/afinn_positive", "completions/distinct_bigrams"} <= set(
         capture_logger.metrics
