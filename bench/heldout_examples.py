@@ -24,9 +24,12 @@ def evaluations(run: Path) -> dict[int, list[dict]]:
     return {int(f.stem.removeprefix("val_step")): [json.loads(x) for x in f.read_text().splitlines()] for f in files}
 
 
-def cell(text: str, limit: int = 160) -> str:
-    text = " ".join(text.split()).replace("|", "\\|")
-    return text if len(text) <= limit else text[: limit - 1] + "…"
+def cell(text: str, limit: int = 160, *, tail: bool = False) -> str:
+    """One table cell: white space folded, at most ``limit`` characters (the end of a long text with ``tail``)."""
+    text = " ".join(text.split())
+    if len(text) > limit:
+        text = "…" + text[1 - limit :] if tail else text[: limit - 1] + "…"
+    return text.replace("|", "\\|")
 
 
 def examples(run: Path, keys: list[str], count: int) -> str:
@@ -43,7 +46,9 @@ def examples(run: Path, keys: list[str], count: int) -> str:
             f"{cell(r['completion'])} ({', '.join(f'{k} {r[k]:g}' for k in keys)})" if keys else cell(r["completion"])
             for r in (row, end)
         ]
-        lines.append(f"| {cell(row['prompt'], 80)} | " + " | ".join(cells) + " |")
+        lines.append(
+            f"| {cell(row['prompt'], 80, tail=True)} | " + " | ".join(cells) + " |"
+        )  # a chat prompt ends in its question
     return "\n".join(lines)
 
 
