@@ -4,9 +4,9 @@ The step follows DeepSeekMath's GRPO (arXiv 2402.03300) with the loss variants o
 DAPO (see :mod:`lit_rl.losses`). How it differs from a textbook implementation, for memory:
 
 - The reference pass runs once per rollout batch, in eval mode without gradients, and keeps only
-  the selected-token log-probs ``[B, C]`` (the seed analysis 000 kept the same, but computed them
-  from full logits). With LoRA the reference is the base model with adapters disabled, so there is
-  no second copy of the weights; ``beta = 0`` skips the pass entirely.
+  the selected-token log-probs ``[B, C]`` (computed without full logits, see below). With LoRA the
+  reference is the base model with adapters disabled, so there is no second copy of the weights;
+  ``beta = 0`` skips the pass entirely.
 - No pass ever materialises ``[B, T, V]`` logits: log-probs come from the trunk's hidden states and
   the LM-head weight through :func:`lit_rl.ops.token_stats`, in chunks.
 - The policy update is micro-batched (``micro_batch_size`` completions per forward) with gradient

@@ -4,8 +4,8 @@ GRADE (arXiv 2601.11574, "Replacing Policy Gradients with Backpropagation for LL
 each token as a Gumbel-softmax relaxation, feeds it as a soft embedding to the next policy step and to
 a reward model, and backpropagates the reward straight into the policy; GRADE-STE uses the
 straight-through estimator (one-hot forward, soft backward). Only the abstract is public, so tau, k,
-the KL and their schedules here are our design. How this implementation differs from a naive one (the
-seed analyses 001 and 003), for memory:
+the KL and their schedules here are our design. How this implementation differs from a naive one, for
+memory:
 
 - **Top-k Gumbel-softmax** (:func:`lit_rl.ops.gumbel_softmax_topk`): a soft token is k weights over k
   token ids, and its embedding is a weighted gather of k embedding rows, never a ``[B, V] @ [V, H]``

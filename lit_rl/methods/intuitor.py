@@ -8,8 +8,8 @@ KL coefficient of 0.005 to the reference.
 How this implementation differs from the reference code, and why:
 
 - Self-certainty comes from :func:`lit_rl.ops.token_stats` in the same chunked pass as the
-  log-probs, never from ``[B, T, V]`` logits. The seed analysis 002 estimated ~468 GB *extra* for
-  the full logits and their gradient at Qwen2.5-1.5B, batch 64, 6K tokens; here the reward costs one
+  log-probs, never from ``[B, T, V]`` logits. Full logits and their gradient would grow with batch x
+  length x vocabulary (``lit-rl estimate`` shows the difference for a config); here the reward costs one
   no-grad forward, like a reference pass, and the update is exactly GRPO's.
 - It is computed once per rollout batch, without gradient, as a reward (the paper's formulation);
   with ``num_iterations > 1`` the same pass also gives the old log-probs.

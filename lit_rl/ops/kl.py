@@ -5,10 +5,9 @@ and ``zq = (hidden_q @ weight_q.T + bias_q) / T`` (each model's own LM head, one
 its own logit scale and softcap if it has them, see :mod:`lit_rl.ops.head`), and the result is ``KL(p || q) = sum_v p_v (log p_v - log q_v)``, exactly, over the whole vocabulary.
 
 Why: GumbelTopK penalises the policy's drift from the reference at every step of a differentiable rollout.
-The seed analysis (``../shared/seeds/001_ebeccb407099ee5b.txt``) first stored the reference logits
-``[B, T, V]`` and computed the KL at the end, then proposed computing it per step from the two ``[B, V]``
-logits rows (inside the reference's ``torch.no_grad()`` block in its sketch, which would also cut the
-policy's gradient). Here the KL is computed online, one vocabulary block at a time, from the two hidden
+A naive implementation stores the reference logits ``[B, T, V]`` and computes the KL at the end; a
+better one computes it per step from the two ``[B, V]`` logits rows (outside the reference's
+``torch.no_grad()`` block, or it would also cut the policy's gradient). Here the KL is computed online, one vocabulary block at a time, from the two hidden
 states, so neither ``[B, T, V]`` nor ``[B, V]`` logits exist, and it is the exact KL with its exact
 gradient, not the k3 estimator on the sampled token that GRPO uses (a sampled token means little when the
 rollout feeds soft tokens, and the exact value costs one more pass over blocks the head reads anyway).

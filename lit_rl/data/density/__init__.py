@@ -15,7 +15,7 @@ One file per job:
 
 The stage timer (:func:`peak_rss_stage`) lives in :mod:`lit_rl.memory.rss` and is re-exported here.
 
-How this differs from the seed analysis (``004_28939806410824da.txt``): hidden-state embeddings
+How this differs from a first design that embeds prompts by their logits: hidden-state embeddings
 instead of vocabulary-sized logits (:mod:`.embed`), FAISS kNN in batches with an IVF index for
 millions of prompts (:mod:`.knn`), and an offline cache that training refuses when stale (:mod:`.cache`).
 """
