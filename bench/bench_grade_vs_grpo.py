@@ -111,14 +111,10 @@ def held_out_scores(run: Path, reward_model: str, head_file: str | None) -> dict
 def training_seconds(run: Path) -> dict[int, float]:
     """``{steps trained: seconds}``: the sum of the logged phase times (``time/*_s``) of the first N optimizer steps
     (step N's metrics are logged at index N - 1)."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(run), size_guidance={"scalars": 0})
-    acc.Reload()
     per_step: dict[int, float] = {}
-    for tag in acc.Tags()["scalars"]:
+    for tag, events in read_scalar_events(str(run), None).items():
         if tag.startswith("time/") and tag.endswith("_s"):
-            for e in acc.Scalars(tag):
+            for e in events:
                 per_step[e.step] = per_step.get(e.step, 0.0) + e.value
     total, out = 0.0, {0: 0.0}
     for index in sorted(per_step):
@@ -160,7 +156,9 @@ def collect(
         extra += QUICK[name] + QUICK_ALL
     run, info = fit(config, out / name, extra, reuse=reuse)
     train = read_scalar_events(str(run), list(TRAIN), optional=True)
-    reward_model, head = ("tiny:llama", None) if quick else ("embedded", _shipped_head())
+    from lit_rl.data.reward_model import shipped_head_file
+
+    reward_model, head = ("tiny:llama", None) if quick else ("embedded", shipped_head_file())
     held_out = held_out_scores(run, reward_model, head)
     memory = {}
     if memory_steps:
@@ -180,12 +178,6 @@ def collect(
         "run": info,
         "memory": memory,
     }
-
-
-def _shipped_head() -> str:
-    from lit_rl.data.reward_model import shipped_head_file
-
-    return shipped_head_file()
 
 
 def report(results: dict[str, dict], steps: int, every: int, window: int, cmd: str, commit: str) -> str:

@@ -11,11 +11,13 @@ from pathlib import Path
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 
-def read_scalar_events(run_dir: str, keys: list[str], *, optional: bool = False) -> dict[str, list]:
-    """``{key: [event]}`` with each event's ``step``, ``wall_time`` and ``value``; ``optional``: skip missing keys."""
+def read_scalar_events(run_dir: str, keys: list[str] | None, *, optional: bool = False) -> dict[str, list]:
+    """``{key: [event]}`` with each event's ``step``, ``wall_time`` and ``value`` (``keys`` None: every scalar);
+    ``optional``: skip missing keys."""
     acc = EventAccumulator(run_dir, size_guidance={"scalars": 0})
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
+    keys = sorted(tags) if keys is None else keys
     missing = [k for k in keys if k not in tags]
     if missing and not optional:
         raise SystemExit(f"{run_dir} has no scalar {missing}; it has {sorted(tags)}")

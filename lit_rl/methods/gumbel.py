@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from transformers import DynamicCache
 
+from lit_rl.data.reward_model import shipped_head_file
 from lit_rl.memory.phases import BACKWARD, OPTIMIZER
 from lit_rl.methods.base import RLMethod
 from lit_rl.methods.evaluation import distinct_bigrams
@@ -181,7 +182,7 @@ class GumbelTopK(RLMethod):
             source,
             policy_tokenizer=self.tokenizer,
             vocab_size=vocab,
-            head_file=_shipped_head() if source == EMBEDDED_REWARD else None,
+            head_file=shipped_head_file() if source == EMBEDDED_REWARD else None,
         )
 
     def tau_at(self, step: int) -> float:
@@ -371,13 +372,6 @@ def survival(stop: torch.Tensor) -> torch.Tensor:
     for t in range(stop.shape[1]):
         alive.append(alive[-1] * (1 - stop[:, t]))
     return torch.stack(alive, 1)
-
-
-def _shipped_head() -> str:
-    """The built-in sentiment reward model's head file, for the embedded trunk."""
-    from lit_rl.data.reward_model import shipped_head_file
-
-    return shipped_head_file()
 
 
 def _at_least_float32(x: torch.Tensor) -> torch.Tensor:
