@@ -1,4 +1,4 @@
-"""bench/run.py, the side-by-side suite of issue 11: its parsing and ratio logic, and a --quick run end to end.
+"""bench/run.py, the side-by-side suite (lit-rl beside TRL): its parsing and ratio logic, and a --quick run end to end.
 
 The quick run checks the structure of BENCHMARKS.md and that the plots exist; the numbers at quick sizes mean
 nothing. The TRL part runs only where trl is installed (the `bench` extra; CI installs without it) and the embedded

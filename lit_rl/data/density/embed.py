@@ -1,6 +1,6 @@
 """Prompt embeddings: one no-grad pass of the policy over every prompt, mean-pooled over its tokens.
 
-How this differs from the seed analysis (``004_28939806410824da.txt``): embeddings are the
+How this differs from embedding prompts by their logits: embeddings are the
 mean-pooled **last hidden state** (576 dims for SmolLM2-135M) instead of mean-pooled logits (50,304
 dims): 28k prompts take 64 MB in float32 (32 MB in float16) where the seed needed 5.25 GB.
 ``pooling="logits"`` keeps the seed's definition for parity, and even then no ``[B, T, V]`` logits

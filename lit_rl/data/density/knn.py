@@ -9,7 +9,7 @@
   probes, as torch matrix products (``faiss.knn`` reached ~15 GFLOP/s on these small blocks,
   a torch ``addmm`` + ``topk`` 20-60 on the same 2 cores).
 
-How this differs from the seed analysis (``004_28939806410824da.txt``): kNN runs on FAISS (exact
+How this differs from a plain all-pairs search: kNN runs on FAISS (exact
 below ``ivf_threshold`` prompts, IVF from there on), searched in batches, so the distances of one
 batch exist at a time; and the IVF search goes one inverted list at a time (``by_list``) instead
 of FAISS's vector-at-a-time scan per query.
