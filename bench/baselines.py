@@ -1,5 +1,5 @@
 """The full-logits baselines of GRPO and Intuitor (``bench_policy_update.py``) and the legacy Gumbel path
-(``bench_gumbel.py``), each run as it is, in its own process, for part 2 of ``bench/run.py``."""
+(``bench_gumbel_topk.py``), each run as it is, in its own process, for part 2 of ``bench/run.py``."""
 
 from __future__ import annotations
 
@@ -17,13 +17,13 @@ def commands(quick: bool, tmp: str) -> dict[str, list[str]]:
         return {
             "GRPO and Intuitor: logits-free vs full logits": ["bench/bench_policy_update.py", "--quick"],
             "GumbelTopK: legacy full-vocabulary path vs top-k": [
-                "bench/bench_gumbel.py", "--quick", "--vocab", "2048", "--new-tokens", "4", "--out", tmp],
+                "bench/bench_gumbel_topk.py", "--quick", "--vocab", "2048", "--new-tokens", "4", "--out", tmp],
         }  # fmt: skip
     return {
         "GRPO and Intuitor: logits-free vs full logits": ["bench/bench_policy_update.py"],
         # the quick case of the Gumbel grid (vocab 49,152, 32 new tokens, the three paths): the full grid takes
-        # over an hour on 2 cores; bench/results/gumbel.md has it
-        "GumbelTopK: legacy full-vocabulary path vs top-k": ["bench/bench_gumbel.py", "--quick", "--out", tmp],
+        # over an hour on 2 cores; bench/results/gumbel_topk.md has it
+        "GumbelTopK: legacy full-vocabulary path vs top-k": ["bench/bench_gumbel_topk.py", "--quick", "--out", tmp],
     }
 
 

@@ -129,7 +129,7 @@ def part_embed(args) -> dict:
     else:
         from transformers import AutoModelForCausalLM, LlamaConfig
 
-        from lit_rl.testing import tiny_tokenizer
+        from lit_rl.models.tiny import tiny_tokenizer
 
         cfg = LlamaConfig(
             vocab_size=SMOLLM2["vocab"], hidden_size=SMOLLM2["hidden"], intermediate_size=SMOLLM2["intermediate"],

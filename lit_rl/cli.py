@@ -416,7 +416,7 @@ def _run(args: list[str], *, from_sys_argv: bool, debug: bool) -> None:
         _print_help()
         return
     if args and args[0] == "export":
-        from lit_rl.methods.export import main as export_main
+        from lit_rl.export import main as export_main
 
         export_main(args[1:])
         return
@@ -427,7 +427,7 @@ def _run(args: list[str], *, from_sys_argv: bool, debug: bool) -> None:
         _estimate(args[1:])
         return
     if args and args[0] == "reward-model":
-        from lit_rl.data.reward_model import main as reward_model_main
+        from lit_rl.reward_model.train import main as reward_model_main
 
         reward_model_main(args[1:])
         return

@@ -15,8 +15,8 @@ import transformers
 
 from lit_rl.cli import LitRLCLI, main
 from lit_rl.models import base_model, head_spec, load_causal_lm, trunk, trunk_hidden
+from lit_rl.models.tiny import tiny_config, tiny_tokenizer
 from lit_rl.ops import token_stats
-from lit_rl.testing import tiny_config, tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = len(tiny_tokenizer())

@@ -103,7 +103,7 @@ def test_headings_nest_under_the_suite():
 
 
 def test_quick_suite_writes_the_report(tmp_path):
-    # the baselines part nests bench_policy_update.py and bench_gumbel.py, whose quick runs have their own tests
+    # the baselines part nests bench_policy_update.py and bench_gumbel_topk.py, whose quick runs have their own tests
     only = ["--only", "trl,sweeps,gpu" if HAS_TRL else "sweeps,gpu"]
     done = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "run.py"), "--quick", "--out", str(tmp_path), *only],

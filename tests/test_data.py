@@ -10,7 +10,7 @@ import torch
 from lit_rl.data import PromptDataModule
 from lit_rl.data.rewards import correct_answer, number_only, resolve_reward_fn, score
 from lit_rl.data.tasks import arithmetic_prompts
-from lit_rl.testing import tiny_tokenizer
+from lit_rl.models.tiny import tiny_tokenizer
 
 
 def _module(**kw) -> PromptDataModule:

@@ -18,7 +18,7 @@ from lit_rl.data.density import (
     knn_search,
     peak_rss_stage,
 )
-from lit_rl.testing import tiny_model, tiny_tokenizer
+from lit_rl.models.tiny import tiny_model, tiny_tokenizer
 
 PROMPTS = [f"What is {a} + {b}?" for a in range(7) for b in range(3)] + ["Compute 12 * 7.", "hi", "x" * 40]
 

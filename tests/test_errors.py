@@ -64,7 +64,7 @@ def _foreign_vocabulary_reward_model(path: Path) -> None:
     """A tiny sequence classifier whose tokenizer has one token the policy's has not."""
     from transformers import AutoModelForSequenceClassification
 
-    from lit_rl.testing import tiny_config, tiny_tokenizer
+    from lit_rl.models.tiny import tiny_config, tiny_tokenizer
 
     tokenizer = tiny_tokenizer()
     tokenizer.add_tokens(["<extra>"])

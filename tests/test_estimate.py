@@ -24,7 +24,7 @@ from lit_rl.memory.estimate import (
 from lit_rl.memory.fit import estimate_savings
 from lit_rl.methods import RefCachedGRPO
 from lit_rl.models import LoraSettings
-from lit_rl.testing import tiny_model, tiny_tokenizer
+from lit_rl.models.tiny import tiny_model, tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = dict(name_or_path="tiny:llama", num_generations=4, max_new_tokens=6, learning_rate=1e-3)

@@ -1,6 +1,6 @@
 """GGUF loading through lit_rl.models.load_causal_lm, with a tiny Llama written as an F32 GGUF in the test.
 
-Nothing is downloaded: a random two-layer Llama from ``lit_rl.testing.tiny_model`` is written with
+Nothing is downloaded: a random two-layer Llama from ``lit_rl.models.tiny.tiny_model`` is written with
 ``gguf.GGUFWriter`` the way llama.cpp's ``convert_hf_to_gguf.py`` writes a Llama (same metadata keys,
 same tensor names, q/k rows permuted), read back by transformers' GGUF loader, and compared logit for logit.
 """
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from lit_rl.models import load_causal_lm
-from lit_rl.testing import tiny_model
+from lit_rl.models.tiny import tiny_model
 
 gguf = pytest.importorskip("gguf")
 

@@ -134,7 +134,7 @@ def test_straight_through_forward_feeds_the_hard_token():
 
 
 def test_survival_value_and_gradient_against_a_float64_product():
-    from lit_rl.methods.gumbel import survival
+    from lit_rl.methods.gumbel_topk import survival
 
     g = torch.Generator().manual_seed(3)
     stop = torch.rand(4, 7, generator=g, dtype=torch.float64)  # odd length

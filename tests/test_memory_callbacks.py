@@ -15,7 +15,7 @@ from lit_rl.callbacks import ActivationCheckpointing, EmptyCache, MemoryProfiler
 from lit_rl.memory.host_allocator import glibc
 from lit_rl.memory.phases import PhaseTracker
 from lit_rl.memory.tracker import TensorMemoryTracker
-from lit_rl.testing import tiny_model
+from lit_rl.models.tiny import tiny_model
 
 GIB = 2**30
 ROOT = Path(__file__).resolve().parents[1]

@@ -7,7 +7,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from lit_rl.memory.tracker import CATEGORIES, TensorMemoryTracker
-from lit_rl.testing import tiny_model
+from lit_rl.models.tiny import tiny_model
 
 
 def _param_bytes(module: torch.nn.Module) -> int:

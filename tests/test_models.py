@@ -9,7 +9,7 @@ import torch
 
 from lit_rl import models
 from lit_rl.models import LoraSettings, load_causal_lm, load_tokenizer
-from lit_rl.testing import tiny_model, tiny_tokenizer
+from lit_rl.models.tiny import tiny_model, tiny_tokenizer
 
 
 def test_local_folder_roundtrip(tmp_path):

@@ -10,7 +10,7 @@ from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, LlamaForSequenceClassification, PreTrainedTokenizerFast
 
 from lit_rl.models import forward_soft_sparse, load_reward_model
-from lit_rl.testing import tiny_config, tiny_tokenizer
+from lit_rl.models.tiny import tiny_config, tiny_tokenizer
 
 
 def _save_classifier(folder, *, num_labels=1, seed=0):
@@ -237,8 +237,8 @@ def test_tiny_architectures_pass_the_parity_check(arch):
 
 # ---------------------------------------------------------------- the built-in sentiment reward model (tiny trunk)
 def test_features_equal_a_plain_forward_and_the_soft_sparse_score():
-    from lit_rl.data.reward_fit import extract_features
-    from lit_rl.data.reward_model import build_classifier, score_soft_sparse
+    from lit_rl.reward_model.fit import extract_features
+    from lit_rl.reward_model.train import build_classifier, score_soft_sparse
 
     model, tok = build_classifier("tiny:llama")
     torch.nn.init.normal_(model.score.weight, std=0.5)
@@ -267,8 +267,8 @@ def model_with_soft(model):
 
 
 def test_training_continuations_are_cut_at_random_lengths_and_labelled_by_vader():
-    from lit_rl.data.reward_model import cut_at_random_lengths
     from lit_rl.data.sentiment import vader_positive
+    from lit_rl.reward_model.train import cut_at_random_lengths
 
     tok = tiny_tokenizer()
     long = tok(" a wonderful film with great acting and a lovely story", add_special_tokens=False)["input_ids"]
@@ -281,7 +281,7 @@ def test_training_continuations_are_cut_at_random_lengths_and_labelled_by_vader(
 
 
 def test_train_writes_a_loadable_head_with_its_metrics(tmp_path):
-    from lit_rl.data.reward_model import HEAD_FILE, META_FILE, train_sentiment_reward_model
+    from lit_rl.reward_model.train import HEAD_FILE, META_FILE, train_sentiment_reward_model
 
     out = tmp_path / "rm"
     meta = train_sentiment_reward_model(
@@ -298,7 +298,7 @@ def test_train_writes_a_loadable_head_with_its_metrics(tmp_path):
 
 
 def test_an_interrupted_run_leaves_no_folder(tmp_path, monkeypatch):
-    from lit_rl.data import reward_model
+    from lit_rl.reward_model import train as reward_model
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
@@ -312,7 +312,7 @@ def test_an_interrupted_run_leaves_no_folder(tmp_path, monkeypatch):
 
 
 def test_main_trains_and_refuses_a_foreign_folder(tmp_path, capsys):
-    from lit_rl.data.reward_model import main
+    from lit_rl.reward_model.train import main
 
     small = ["--num-train-prompts", "4", "--num-heldout-prompts", "2", "--max-new-tokens", "3", "--seed", "1"]
     main(["--base", "tiny:llama", "--out", str(tmp_path / "rm"), *small])

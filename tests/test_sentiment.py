@@ -38,7 +38,7 @@ def test_openings_are_a_few_thousand_distinct_texts_of_every_tone_and_the_split_
 
 
 def test_the_datamodule_trains_on_no_held_out_opening_and_continues_them_as_text():
-    from lit_rl.testing import tiny_tokenizer
+    from lit_rl.models.tiny import tiny_tokenizer
 
     data = PromptDataModule(source="reviews", num_prompts=3000, val_size=40, instruction=None, chat_template=False)
     data.connect(tiny_tokenizer())
@@ -112,8 +112,8 @@ def test_gumbel_topk_logs_the_judges_on_the_sentiment_task(capture_logger, quiet
 # ---------------------------------------------------------------- the shipped head on the embedded model
 @pytest.fixture(scope="module")
 def embedded_reward_model():
-    from lit_rl.data.reward_model import shipped_head_file
     from lit_rl.models import embedded_gguf_path, load_reward_model, load_tokenizer
+    from lit_rl.reward_model.train import shipped_head_file
 
     try:
         embedded_gguf_path()
@@ -125,7 +125,7 @@ def embedded_reward_model():
 
 
 def test_the_shipped_head_scores_a_positive_continuation_above_a_negative_one(embedded_reward_model):
-    from lit_rl.data.reward_model import score_soft_sparse
+    from lit_rl.reward_model.train import score_soft_sparse
 
     model, tokenizer = embedded_reward_model
     opening = "I watched this film last night, and the acting"
@@ -140,7 +140,7 @@ def test_the_shipped_head_scores_a_positive_continuation_above_a_negative_one(em
 
 
 def test_the_shipped_heads_metrics_are_the_ones_its_fit_wrote():
-    from lit_rl.data.reward_model import META_FILE, SHIPPED_HEAD_DIR
+    from lit_rl.reward_model.train import META_FILE, SHIPPED_HEAD_DIR
 
     meta = json.loads((SHIPPED_HEAD_DIR / META_FILE).read_text())
     assert meta["base"] == "embedded" and meta["hidden_size"] == 576
@@ -153,7 +153,7 @@ def test_a_head_of_another_shape_is_refused_in_one_line(tmp_path):
     from safetensors.torch import save_file
 
     from lit_rl.models import load_reward_model
-    from lit_rl.testing import tiny_tokenizer
+    from lit_rl.models.tiny import tiny_tokenizer
 
     save_file({"score.weight": torch.zeros(1, 7)}, tmp_path / "head.safetensors")
     with pytest.raises(ValueError, match=r"holds a weight of shape \(1, 7\), the model's head is \(1, 32\)"):

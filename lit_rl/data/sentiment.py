@@ -1,7 +1,7 @@
 """The built-in sentiment task: movie-review openings to continue, scored by two lexicons that ship their data.
 
-GRADE (arXiv 2601.11574, "Replacing Policy Gradients with Backpropagation for LLM Alignment") shows its differentiable rollouts on continuing movie-review openings
-toward positive sentiment. This module makes that task offline, on any machine:
+The paper behind GumbelTopK (cited in :mod:`lit_rl.methods.gumbel_topk`) shows its differentiable rollouts on
+continuing movie-review openings toward positive sentiment. This module makes that task offline, on any machine:
 
 - **Openings** are generated from templates (an opener in one of three tones, a film, an aspect), a few
   thousand distinct texts. A fixed fifth of them, chosen by a hash of the text, is held out: no training

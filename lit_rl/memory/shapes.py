@@ -77,7 +77,7 @@ def model_config_for(
         kwargs = dict(BUILTIN_SHAPES[name])
         return AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
     if source.startswith(TINY_PREFIX):
-        from lit_rl.testing import tiny_config, tiny_tokenizer
+        from lit_rl.models.tiny import tiny_config, tiny_tokenizer
 
         # configure_model sizes a tiny model's vocabulary to its tokenizer
         return tiny_config(source[len(TINY_PREFIX) :], vocab_size=len(tiny_tokenizer()))

@@ -186,7 +186,7 @@ def resolve_source(name_or_path: str, gguf_file: str | None) -> tuple[str, str |
 def load_tokenizer(name_or_path: str, *, gguf_file: str | None = None, trust_remote_code: bool = False):
     """The tokenizer, padding on the left (generation), with a pad token (falls back to eos, said once)."""
     if name_or_path.startswith(TINY_PREFIX):
-        from lit_rl.testing import tiny_tokenizer
+        from lit_rl.models.tiny import tiny_tokenizer
 
         tokenizer = tiny_tokenizer()
     else:
@@ -245,7 +245,7 @@ def load_causal_lm(
 
         model = build_from_config(AutoModelForCausalLM, config, resolve_dtype(dtype, config))
     elif name_or_path.startswith(TINY_PREFIX):
-        from lit_rl.testing import tiny_model
+        from lit_rl.models.tiny import tiny_model
 
         model = tiny_model(name_or_path[len(TINY_PREFIX) :], vocab_size=vocab_size or 128)
         if torch_dtype != "auto":

@@ -1,7 +1,7 @@
 """Reward models that read a completion as sparse soft tokens, so a reward's gradient reaches the policy.
 
-GumbelTopK (GRADE, arXiv 2601.11574) backpropagates a frozen reward model's score into the policy
-through the soft tokens of a differentiable rollout. The paper feeds the reward model a dense
+GumbelTopK (:mod:`lit_rl.methods.gumbel_topk`) backpropagates a frozen reward model's score into the policy
+through the soft tokens of a differentiable rollout. Its paper feeds the reward model a dense
 ``[B, C, V]`` distribution times its ``[V, H]`` embedding matrix; here each completion position
 carries only the k ids and k weights of the top-k Gumbel-softmax, and its input embedding is a
 gather of k embedding rows and a weighted sum (``[B, C, k, H]``, never ``[B, C, V]``). Both give the
@@ -84,7 +84,7 @@ def load_reward_model(
     if name_or_path.startswith(TINY_PREFIX):
         from transformers import AutoModelForSequenceClassification
 
-        from lit_rl.testing import tiny_config
+        from lit_rl.models.tiny import tiny_config
 
         torch.manual_seed(0)
         config = tiny_config(name_or_path[len(TINY_PREFIX) :], vocab_size=vocab_size or 128, num_labels=1)

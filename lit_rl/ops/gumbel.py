@@ -3,8 +3,8 @@
 The plain Gumbel-softmax (Jang et al., 2017) adds Gumbel noise to all ``V`` logits and returns a
 dense ``[..., V]`` weight vector; a differentiable rollout that keeps those for every generated
 token, plus their softmax for backward, holds ``B * T * V`` floats several times over, which is what
-makes Gumbel training run out of memory. Following GRADE (differentiable rollouts with a top-k
-Gumbel-softmax), this version first takes the top-k logits, adds Gumbel noise to those k only and
+makes Gumbel training run out of memory. For GumbelTopK's differentiable rollouts
+(:mod:`lit_rl.methods.gumbel_topk`), this version first takes the top-k logits, adds Gumbel noise to those k only and
 returns ``softmax((topk + g) / tau)`` as ``[..., k]`` weights with their ``[..., k]`` token ids, so
 a soft token is a sparse weighted gather of k embedding rows.
 

@@ -1,4 +1,4 @@
-"""bench/bench_grade_vs_grpo.py --quick runs end to end on tiny models, so the GRADE-vs-GRPO comparison cannot rot.
+"""bench/bench_gumbel_topk_vs_grpo.py --quick runs end to end on tiny models, so the GumbelTopK-vs-GRPO comparison cannot rot.
 
 Tiny random models learn nothing in two steps; what is checked is that both methods ran, every table row is there,
 the held-out scores are the means of the completions each run wrote, and the plot was drawn.
@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "bench_grade_vs_grpo.py"
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "bench_gumbel_topk_vs_grpo.py"
 
 
 def _rows(text: str, heading: str) -> list[list[str]]:
@@ -30,8 +30,8 @@ def test_quick_bench_writes_every_table_and_the_plot(tmp_path):
         timeout=1800,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    text = (results / "grade_vs_grpo.md").read_text()
-    assert (results / "grade_vs_grpo.png").stat().st_size > 10_000
+    text = (results / "gumbel_topk_vs_grpo.md").read_text()
+    assert (results / "gumbel_topk_vs_grpo.png").stat().st_size > 10_000
     by_step = _rows(text, "## Held-out scores by step")
     assert [(r[0], r[1]) for r in by_step] == [(m, s) for m in ("GumbelTopK", "GRPO") for s in ("0", "1", "2")]
     for row in by_step:  # the afinn_positive column is the mean over the completions that run wrote at that step

@@ -1,4 +1,4 @@
-"""bench/bench_gumbel.py --quick runs end to end in a subprocess, so the GumbelTopK memory benchmark cannot rot.
+"""bench/bench_gumbel_topk.py --quick runs end to end in a subprocess, so the GumbelTopK memory benchmark cannot rot.
 
 The test runs the quick case at vocab 4,096 and 8 new tokens (the default quick case, 49,152 and 32, takes about
 5.5 minutes on 2 cores); each of the three paths is measured and must match the estimator's prediction, which runs
@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "bench_gumbel.py"
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "bench_gumbel_topk.py"
 PATHS = ["legacy", "top-k", "top-k + ckpt"]
 PHASES = ["generate", "reward", "backward", "optimizer", "**step peak**"]
 
@@ -37,7 +37,7 @@ def test_quick_bench_prints_every_table(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     text = done.stdout
-    assert "Command: `python bench/bench_gumbel.py --quick --vocab 4096 --new-tokens 8 --out" in text
+    assert "Command: `python bench/bench_gumbel_topk.py --quick --vocab 4096 --new-tokens 8 --out" in text
 
     phases = _table(text, "### Per-phase peaks")
     assert [(r[0], r[1], r[2], r[3]) for r in phases] == [("4,096", "8", p, ph) for p in PATHS for ph in PHASES]
@@ -62,4 +62,4 @@ def test_quick_bench_prints_every_table(tmp_path):
                                          "other", "total"]  # fmt: skip
 
     assert (tmp_path / "gumbel.md").read_text().count("### ") >= 4
-    assert (tmp_path / "gumbel_peak_vs_length.png").stat().st_size > 0
+    assert (tmp_path / "gumbel_topk_peak_vs_length.png").stat().st_size > 0

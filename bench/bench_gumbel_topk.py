@@ -11,7 +11,7 @@ steps run on CPU with the :class:`~lit_rl.callbacks.MemoryProfiler` (exact tenso
 steady state, optimizer state allocated) is compared with :func:`~lit_rl.memory.estimate.estimate_step` for the
 same settings. The models are random (nothing is downloaded): a ``LlamaForCausalLM`` policy and a
 ``LlamaForSequenceClassification`` reward model (``num_labels=1``) with the same small trunk
-(:func:`lit_rl.testing.tiny_config`: hidden 256, intermediate 512, 4 layers, 4 attention heads, 2 KV heads,
+(:func:`lit_rl.models.tiny.tiny_config`: hidden 256, intermediate 512, 4 layers, 4 attention heads, 2 KV heads,
 tied embeddings), saved with ``save_pretrained`` beside the character-level test tokenizer so that GumbelTopK
 loads them by path. Full fine-tuning with ``beta > 0``: the reference is a frozen copy of the policy.
 
@@ -27,8 +27,8 @@ SmolLM2-135M-Instruct (the embedded model, if installed) sampling with top-256 a
 Run (77 minutes for the full grid on 2 cores shared with other jobs, load average 3-6; the quick case 2.5 minutes
 at load 2, 5.5 at higher loads; tensor bytes do not depend on the machine's load, the wall times do)::
 
-    python bench/bench_gumbel.py              # writes bench/results/gumbel.md and gumbel_peak_vs_length.png
-    python bench/bench_gumbel.py --quick      # vocab 49,152, 32 new tokens, the three paths; prints only
+    python bench/bench_gumbel_topk.py              # writes bench/results/gumbel_topk.md and gumbel_topk_peak_vs_length.png
+    python bench/bench_gumbel_topk.py --quick      # vocab 49,152, 32 new tokens, the three paths; prints only
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ from lit_rl.data import PromptDataModule  # noqa: E402
 from lit_rl.memory.estimate import GIB, MIB, estimate_step  # noqa: E402
 from lit_rl.memory.tracker import CATEGORIES  # noqa: E402
 from lit_rl.methods import GumbelTopK  # noqa: E402
-from lit_rl.testing import tiny_config, tiny_tokenizer  # noqa: E402
+from lit_rl.models.tiny import tiny_config, tiny_tokenizer  # noqa: E402
 
 VOCABS = (49_152, 151_936)
 TOKENS = (32, 64, 128)
@@ -512,8 +512,8 @@ def main(argv: list[str] | None = None) -> str:
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
     out_dir = opts.out if opts.out is not None else (None if opts.quick else RESULTS)
-    cmd = "python bench/bench_gumbel.py" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
-    print(f"bench_gumbel: {'writing to ' + str(out_dir) if out_dir else 'printing only'}", file=sys.stderr)
+    cmd = "python bench/bench_gumbel_topk.py" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
+    print(f"bench_gumbel_topk: {'writing to ' + str(out_dir) if out_dir else 'printing only'}", file=sys.stderr)
     start = time.perf_counter()
     cases = run(opts)
     mass = None if opts.quick else trained_topk_mass()
@@ -522,8 +522,8 @@ def main(argv: list[str] | None = None) -> str:
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "gumbel.md").write_text(f"# GumbelTopK: the memory of one step, measured and predicted\n\n{text}\n")
-        plot(cases, out_dir / "gumbel_peak_vs_length.png")
-        print(f"wrote {out_dir / 'gumbel.md'} and {out_dir / 'gumbel_peak_vs_length.png'}", file=sys.stderr)
+        plot(cases, out_dir / "gumbel_topk_peak_vs_length.png")
+        print(f"wrote {out_dir / 'gumbel.md'} and {out_dir / 'gumbel_topk_peak_vs_length.png'}", file=sys.stderr)
     return text
 
 

@@ -1,19 +1,19 @@
 """The built-in sentiment reward model: a linear score head on the frozen embedded SmolLM2 trunk, shipped with lit-rl.
 
 GumbelTopK backpropagates a reward model's score into the policy, so its default config needs a
-differentiable reward that shares the policy's vocabulary and runs offline on a CPU. As in GRADE
-(arXiv 2601.11574), it is the frozen base plus a small head: here a linear ``score`` head whose score is
+differentiable reward that shares the policy's vocabulary and runs offline on a CPU. As in GumbelTopK's paper
+(cited in :mod:`lit_rl.methods.gumbel_topk`), it is the frozen base plus a small head: here a linear ``score`` head whose score is
 averaged over the continuation's tokens (``pooling: mean``; read at the last token alone, a 135M trunk's hidden
 state says little about the words before it). It is fitted on what the policy itself writes: continuations the embedded model samples
 from the training split of the review openings (:mod:`lit_rl.data.sentiment`), cut at random lengths,
 because GumbelTopK reads the score at every prefix of a completion. The labels are VADER's
 (``vader_positive``: compound >= 0.05 on the continuation alone); the features are the frozen trunk's
-hidden states averaged over each continuation (:mod:`lit_rl.data.reward_fit`); the head is a logistic fit.
+hidden states averaged over each continuation (:mod:`lit_rl.reward_model.fit`); the head is a logistic fit.
 
 The fitted head (kilobytes) ships inside the package, beside the ``reward_model.json`` that the fit
 wrote, with its agreement with the labeller on continuations of held-out openings, so a run never
 trains on first use. ``lit-rl reward-model`` repeats the fit (seeded) and says how far the new head
-is from the shipped one; ``--out lit_rl/data/heads/smollm2_sentiment`` replaces the shipped head.
+is from the shipped one; ``--out lit_rl/reward_model/heads/smollm2_sentiment`` replaces the shipped head.
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ from lightning.pytorch.utilities import rank_zero_info
 from tqdm.auto import tqdm
 
 from lit_rl.data.datamodule import PromptDataModule
-from lit_rl.data.reward_fit import agreement, choose_and_fit, extract_features, pad
 from lit_rl.data.sentiment import review_openings, vader_compound, vader_positive
 from lit_rl.models import EMBEDDED, TINY_PREFIX, load_tokenizer, resolve_source
+from lit_rl.reward_model.fit import agreement, choose_and_fit, extract_features, pad
 
 META_FILE = "reward_model.json"
 HEAD_FILE = "head.safetensors"
@@ -64,7 +64,7 @@ def build_classifier(base: str, *, seed: int = 0):
     tokenizer = load_tokenizer(base)
     torch.manual_seed(seed)
     if base.startswith(TINY_PREFIX):
-        from lit_rl.testing import tiny_config
+        from lit_rl.models.tiny import tiny_config
 
         config = tiny_config(base[len(TINY_PREFIX) :], vocab_size=len(tokenizer), num_labels=1)
         model = AutoModelForSequenceClassification.from_config(config)
@@ -300,7 +300,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--out", default="runs/reward-model", help=f"folder to write (default: runs/reward-model; {SHIPPED_HEAD_DIR.name} "
-        "inside lit_rl/data/heads replaces the shipped head)",
+        "inside lit_rl/reward_model/heads replaces the shipped head)",
     )  # fmt: skip
     defaults = inspect.signature(train_sentiment_reward_model).parameters
     for name, text in _OPTIONS.items():

@@ -1,5 +1,5 @@
 """Features of a frozen trunk and the logistic fit of a linear score head: the numerical core of the built-in
-reward model (:mod:`lit_rl.data.reward_model` makes the labelled pairs and saves the result).
+reward model (:mod:`lit_rl.reward_model.train` makes the labelled pairs and saves the result).
 
 Features are the trunk's hidden state at the last token of each (prompt, completion) pair, and its mean over
 the completion for comparison; each prompt, and the prefix all prompts share (the system prompt), runs once.

@@ -1,4 +1,4 @@
-"""GRADE against policy gradients on one task, in one framework: GumbelTopK beside GRPO on the sentiment task.
+"""Differentiable rollouts against policy gradients on one task, in one framework: GumbelTopK beside GRPO on the sentiment task.
 
 Runs ``configs/gumbel_topk.yaml`` (GumbelTopK: the built-in reward model's score backpropagated through
 differentiable rollouts) and ``configs/grpo_sentiment.yaml`` (RefCachedGRPO: VADER's score as a reward, no
@@ -19,10 +19,10 @@ with the same 16 completions per step and held-out evaluations at the same steps
 
 Wall times depend on the machine and its load (the load average is printed); the seeded scores do not.
 
-Run (writes bench/results/grade_vs_grpo.md and .png)::
+Run (writes bench/results/gumbel_topk_vs_grpo.md and .png)::
 
-    python bench/bench_grade_vs_grpo.py
-    python bench/bench_grade_vs_grpo.py --quick --results /tmp/q    # smoke test on tiny models
+    python bench/bench_gumbel_topk_vs_grpo.py
+    python bench/bench_gumbel_topk_vs_grpo.py --quick --results /tmp/q    # smoke test on tiny models
 """
 
 from __future__ import annotations
@@ -88,8 +88,8 @@ def fit(config: str, root: Path, args: list[str], *, reuse: bool = False) -> tup
 def held_out_scores(run: Path, reward_model: str, head_file: str | None) -> dict[int, dict[str, float]]:
     """``{steps trained: {score: mean}}`` over each evaluation's completions (``heldout/val_step*.jsonl``): the
     judges and text statistics the run wrote, plus ``rm`` (the reward model's mean score) and ``rm_positive``."""
-    from lit_rl.data.reward_model import score_soft_sparse
     from lit_rl.models import load_reward_model, load_tokenizer
+    from lit_rl.reward_model.train import score_soft_sparse
 
     tokenizer = load_tokenizer(reward_model)
     model = load_reward_model(reward_model, policy_tokenizer=tokenizer, vocab_size=len(tokenizer), head_file=head_file)
@@ -156,7 +156,7 @@ def collect(
         extra += QUICK[name] + QUICK_ALL
     run, info = fit(config, out / name, extra, reuse=reuse)
     train = read_scalar_events(str(run), list(TRAIN), optional=True)
-    from lit_rl.data.reward_model import shipped_head_file
+    from lit_rl.reward_model.train import shipped_head_file
 
     reward_model, head = ("tiny:llama", None) if quick else ("embedded", shipped_head_file())
     held_out = held_out_scores(run, reward_model, head)
@@ -286,8 +286,8 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--eval-every", type=int, default=20, help="held-out evaluation every this many steps")
     parser.add_argument("--memory-steps", type=int, default=2, help="steps of the profiled run (0: none)")
     parser.add_argument("--window", type=int, default=10, help="steps in the first/last training means")
-    parser.add_argument("--out", default="runs/grade_vs_grpo", help="folder for the runs")
-    parser.add_argument("--results", default="bench/results", help="folder for grade_vs_grpo.md and .png")
+    parser.add_argument("--out", default="runs/gumbel_topk_vs_grpo", help="folder for the runs")
+    parser.add_argument("--results", default="bench/results", help="folder for gumbel_topk_vs_grpo.md and .png")
     parser.add_argument("--quick", action="store_true", help="tiny random models, a few tokens: a smoke test")
     parser.add_argument("--reuse", action="store_true", help="read the runs already in --out instead of running them")
     args = parser.parse_args(argv)
@@ -299,15 +299,15 @@ def main(argv: list[str] | None = None) -> str:
         name: collect(name, config, out, args.steps, args.eval_every, args.memory_steps, args.quick, args.reuse)
         for name, config in METHODS.items()
     }
-    cmd = f"python bench/bench_grade_vs_grpo.py {shlex.join(argv if argv is not None else sys.argv[1:])}".strip()
+    cmd = f"python bench/bench_gumbel_topk_vs_grpo.py {shlex.join(argv if argv is not None else sys.argv[1:])}".strip()
     text = report(results, args.steps, args.eval_every, args.window, cmd, commit.stdout.strip())
     results_dir = Path(args.results)
     results_dir.mkdir(parents=True, exist_ok=True)
-    (results_dir / "grade_vs_grpo.md").write_text(
-        "# GumbelTopK (GRADE) vs GRPO on the sentiment task\n\nWritten by `bench/bench_grade_vs_grpo.py`.\n\n"
+    (results_dir / "gumbel_topk_vs_grpo.md").write_text(
+        "# GumbelTopK vs GRPO on the sentiment task\n\nWritten by `bench/bench_gumbel_topk_vs_grpo.py`.\n\n"
         + text + "\n"
     )  # fmt: skip
-    plot(results, results_dir / "grade_vs_grpo.png")
+    plot(results, results_dir / "gumbel_topk_vs_grpo.png")
     print(text)
     return text
 

@@ -1,8 +1,9 @@
-"""GumbelTopK: GRADE's differentiable rollouts, backpropagating a reward model's score into the policy.
+"""GumbelTopK: differentiable rollouts, backpropagating a reward model's score into the policy.
 
-GRADE (arXiv 2601.11574, "Replacing Policy Gradients with Backpropagation for LLM Alignment") samples
+The method is GRADE (arXiv 2601.11574, "Replacing Policy Gradients with Backpropagation for LLM Alignment"),
+named GumbelTopK everywhere in lit-rl after what it does. It samples
 each token as a Gumbel-softmax relaxation, feeds it as a soft embedding to the next policy step and to
-a reward model, and backpropagates the reward straight into the policy; GRADE-STE uses the
+a reward model, and backpropagates the reward straight into the policy; its straight-through variant uses the
 straight-through estimator (one-hot forward, soft backward). Only the abstract is public, so tau, k,
 the KL and their schedules here are our design. How this implementation differs from a naive one, for
 memory:
@@ -41,12 +42,12 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from transformers import DynamicCache
 
-from lit_rl.data.reward_model import shipped_head_file
 from lit_rl.memory.phases import BACKWARD, OPTIMIZER
 from lit_rl.methods.base import RLMethod
 from lit_rl.methods.evaluation import distinct_bigrams
 from lit_rl.models import forward_soft_embeds, head_spec, load_reward_model, score_every_prefix, soft_embeddings, trunk
 from lit_rl.ops import gumbel_softmax_topk, kl_divergence
+from lit_rl.reward_model.train import shipped_head_file
 
 EMBEDDED_REWARD = "embedded"
 
@@ -65,7 +66,7 @@ class SoftRollout:
 
 
 class GumbelTopK(RLMethod):
-    """Differentiable rollouts with top-k Gumbel-softmax through a frozen reward model (GRADE).
+    """Differentiable rollouts with top-k Gumbel-softmax through a frozen reward model.
 
     **Phases**: ``generate`` (the policy's soft rollout with the reference beside it), ``reward`` (the
     reward model on the soft completion, and the loss), ``backward``, ``optimizer``.
@@ -79,7 +80,7 @@ class GumbelTopK(RLMethod):
     Args:
         reward_model: a ``...ForSequenceClassification`` sharing the policy's vocabulary (folder or hub
             id), or ``embedded``: the built-in sentiment reward model, a score head shipped with lit-rl on the
-            embedded SmolLM2 trunk (see :mod:`lit_rl.data.reward_model`); it scores continuations of the
+            embedded SmolLM2 trunk (see :mod:`lit_rl.reward_model.train`); it scores continuations of the
             ``reviews`` task's openings.
         num_generations: rollouts per prompt.
         max_new_tokens: generation steps ``C``. Memory: every step's graph is kept for the backward.
@@ -88,7 +89,7 @@ class GumbelTopK(RLMethod):
             answer (the embedded one does). The KL is of the unconstrained distributions.
         temperature: the policy's logits are divided by it before the Gumbel-softmax and the KL.
         gumbel_topk: ``k``, tokens kept per soft token; ``0`` runs the legacy full-vocabulary path.
-        hard: straight-through (GRADE-STE): the forward uses the one-hot token, the backward the soft weights.
+        hard: straight-through: the forward uses the one-hot token, the backward the soft weights.
         tau: Gumbel-softmax temperature at step 0.
         tau_min: the final tau of a decaying schedule.
         tau_schedule: ``constant``, ``linear`` or ``exponential`` decay from ``tau`` to ``tau_min``.

@@ -1,0 +1,1 @@
+"""The built-in reward model: a small head on the frozen embedded trunk, its fit and the command that refits it."""
