@@ -95,6 +95,7 @@ print((before - read_rss()) / 2**20)
 
 
 @needs_glibc
+@pytest.mark.slow  # a fresh interpreter that allocates and frees 300 MiB
 @pytest.mark.parametrize("setting", ["default", "mallopt"])
 def test_mallopt_thresholds_unmap_blocks_on_free(setting):
     """In a fresh process: with the 64 KiB thresholds freed 1 MiB blocks leave at once; with glibc's they stay."""
@@ -171,3 +172,32 @@ def test_tiny_grpo_fit_trims_and_the_profiler_still_logs_tensor_peak_beside_rss(
     assert all(
         rss > peak for (_, rss), (_, peak) in zip(metrics["memory/step/rss_peak_gib"], metrics["memory/step/peak_gib"])
     )
+
+
+@pytest.mark.parametrize(
+    ("config", "released"),
+    [("grpo.yaml", ["rollout", "reference"]), ("intuitor.yaml", ["rollout", "reference"]),
+     ("gumbel_topk.yaml", ["generate"])],
+)  # fmt: skip
+def test_the_fragment_composes_with_every_method_config(config, released, tmp_path, monkeypatch):
+    """callbacks/empty_cache.yaml's defaults fit each method's own phases: its setup accepts them, and it releases
+    after the phases before the update's forward (no fit needed: setup is where a phase list is checked)."""
+    from lit_rl.cli import LitRLCLI
+
+    args = [
+        "--config", str(ROOT / "configs" / config), "--config", str(ROOT / "callbacks" / "empty_cache.yaml"),
+        "--trainer.accelerator", "cpu", "--trainer.devices", "1", "--trainer.strategy", "auto",
+        "--trainer.precision", "32-true", "--trainer.default_root_dir", str(tmp_path),
+    ]  # fmt: skip
+    cli = LitRLCLI(args=args, run=False)
+    (empty,) = [c for c in cli.trainer.callbacks if isinstance(c, EmptyCache)]
+    method = cli.model
+    calls = []
+    monkeypatch.setattr(empty, "_release", lambda: calls.append(method.phases.current))
+    monkeypatch.setattr(empty_cache_module, "why_not_glibc", lambda: None)  # the same on any C library
+    empty.setup(cli.trainer, method, "fit")
+    for name in method.phase_names:
+        with method.phases(name):
+            pass
+    empty.teardown(cli.trainer, method, "fit")
+    assert calls == released

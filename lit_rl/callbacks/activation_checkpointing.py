@@ -26,8 +26,9 @@ class ActivationCheckpointing(Callback):
     inputs are 36 x 1024 x 2048 x 2 B = 0.15 GB, against gigabytes of saved activations without it.
     Rollout and reference passes run without grad and are unaffected.
 
-    **Cost**: one extra forward of every checkpointed layer in the backward, ~30% more compute for
-    the policy update (``every_n_layers = 2`` halves both the saving and the cost).
+    **Cost**: one extra forward of every checkpointed layer in the backward, about a third more compute for
+    the policy update, since a backward costs about two forwards (``every_n_layers = 2`` halves both the saving
+    and the cost).
     ``offload = True`` additionally moves the kept layer inputs to pinned host memory (CUDA only):
     less GPU memory, more host memory and a host-device copy each way, so slower steps.
 

@@ -18,6 +18,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lit_rl.memory.host_allocator import MMAP_THRESHOLD_MAX, malloc_trim, set_malloc_thresholds, why_not_glibc
+from lit_rl.memory.phases import BACKWARD
 from lit_rl.memory.rss import read_rss
 from lit_rl.memory.units import GIB
 
@@ -40,16 +41,17 @@ class EmptyCache(Callback):
     **On CPU with glibc** (Linux) it calls ``malloc_trim(0)``, which returns every whole free page of glibc's
     heaps to the OS. glibc keeps freed blocks below its (dynamic, up to 32 MiB) mmap threshold, so without it
     the process RSS holds activations, KV caches and gradient temporaries the step freed. *Saving* and *cost* are
-    measured by ``bench/bench_allocator.py`` (table in ``bench/results/allocator.md``): trimming at every phase end lowers
-    the peak RSS between phases but not within one; each call costs the page faults of re-touching the
+    measured by ``bench/bench_allocator.py`` (table in ``bench/results/allocator.md``): trimming at every phase end
+    lowers the peak RSS between phases but not within one; each call costs the page faults of re-touching the
     released pages in the next phase.
 
     ``mmap_threshold`` / ``trim_threshold`` additionally fix glibc's thresholds in ``setup`` (``mallopt``),
     the run-time form of ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_``: every block above the mmap
     threshold then goes back to the OS as soon as it is freed, inside a phase too. *Saving*: the lowest RSS of
-    all options. *Cost*: an ``mmap``/``munmap`` pair and fresh page faults for every large allocation (+37% step
-    time at 64 KiB on ``configs/grpo.yaml``, against +8% for trimming at every phase end); see the table. Process-wide and for the rest of the process.
-    Blocks allocated before ``setup`` (``import torch``) stay where they are.
+    all options. *Cost*: an ``mmap``/``munmap`` pair and fresh page faults for every large allocation, more step
+    time than trimming at every phase end (both measured on ``configs/grpo.yaml`` in
+    ``bench/results/allocator.md``). Process-wide and for the rest of the process. Blocks allocated before
+    ``setup`` (``import torch``) stay where they are.
 
     Elsewhere (macOS, musl, Windows) the CPU work is a no-op that says once why.
 
@@ -61,8 +63,11 @@ class EmptyCache(Callback):
     Args:
         phases: the phases at whose boundary memory is released: any the method declares
             (``pl_module.phases.names``; for GRPO ``rollout``, ``reference``, ``policy_forward``, ``backward``,
-            ``optimizer``), or ``"all"`` for every declared phase (``backward`` and ``optimizer`` belong to
-            every method). Default ``[rollout, reference]``.
+            ``optimizer``), ``"all"`` for every declared phase, or ``None`` (the default) for the phases a method
+            declares before its update's forward, which is the phase listed just before ``backward``: the
+            update's activations are still needed by the backward, and releasing inside the update would cost a
+            device sync per micro-batch. That is ``rollout`` and ``reference`` for RefCachedGRPO and Intuitor,
+            ``generate`` for GumbelTopK; any method gets a default that fits its own phases.
         when: ``"end"`` (after the phase, releasing what it left behind) or ``"start"`` (before it).
         mmap_threshold: glibc ``M_MMAP_THRESHOLD`` in bytes (0 to 32 MiB), applied in ``setup``; ``None`` keeps
             glibc's dynamic threshold.
@@ -79,7 +84,7 @@ class EmptyCache(Callback):
         trainer:
           callbacks+:
             - class_path: lit_rl.callbacks.EmptyCache
-              init_args: {phases: all, when: end}
+              init_args: {phases: null, when: end}
     """
 
     def __init__(
@@ -89,9 +94,7 @@ class EmptyCache(Callback):
         mmap_threshold: int | None = None,
         trim_threshold: int | None = None,
     ) -> None:
-        if phases is None:
-            phases = ["rollout", "reference"]
-        self.phases: list[str] | Literal["all"] = phases if phases == "all" else list(phases)
+        self.phases: list[str] | Literal["all"] | None = phases if phases in (None, "all") else list(phases)
         self.when = when
         self.mmap_threshold = mmap_threshold
         self.trim_threshold = trim_threshold
@@ -122,14 +125,22 @@ class EmptyCache(Callback):
                 "the phase boundaries; use a lit-rl method or remove the EmptyCache callback."
             )
         declared = tuple(getattr(tracker, "names", ()))
-        if self.phases != "all":
+        if isinstance(self.phases, list):
             unknown = [p for p in self.phases if p not in declared]
             if unknown:
                 raise MisconfigurationException(
                     f"EmptyCache(phases={self.phases}): unknown phase(s) {unknown}; {type(pl_module).__name__} "
-                    f"declares {list(declared)} (or use phases: all)."
+                    f"declares {list(declared)} (or use phases: all, or null for the phases before its update)."
                 )
-        self._names = declared if self.phases == "all" else tuple(self.phases)
+        if self.phases is None:
+            self._names = default_phases(declared)
+            if not self._names:
+                rank_zero_info(
+                    f"EmptyCache: {type(pl_module).__name__} declares no phase before its update's forward "
+                    f"({list(declared)}), so phases: null releases nothing; name phases or use phases: all."
+                )
+        else:
+            self._names = declared if self.phases == "all" else tuple(self.phases)
         self._device = trainer.strategy.root_device
         if self._device.type == "cuda" and torch.cuda.is_available():
             self._mode = "cuda"
@@ -191,3 +202,13 @@ class EmptyCache(Callback):
             return
         self._freed += before - after
         self._calls += 1
+
+
+def default_phases(declared: tuple[str, ...]) -> tuple[str, ...]:
+    """The phases declared before the update's forward: every phase ahead of the one just before ``backward``.
+
+    ``(rollout, reference, policy_forward, backward, optimizer)`` gives ``(rollout, reference)``; a method whose
+    only phase before ``backward`` is the update's forward gives none.
+    """
+    before = declared[: declared.index(BACKWARD)] if BACKWARD in declared else declared
+    return before[:-1]

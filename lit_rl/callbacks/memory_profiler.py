@@ -43,7 +43,7 @@ class MemoryProfiler(Callback):
       :class:`~lit_rl.memory.tracker.TensorMemoryTracker`, entered at each phase start, with the
       parameters, gradients and optimizer state registered, so the peak includes the resident weights.
       Every operator goes through a Python dispatch mode, a fixed cost per operator that slows a
-      measured step of a small model by up to ~2-3x (much less for large ones); ``every_n_steps``
+      measured step, severalfold for a small model and much less for a large one; ``every_n_steps``
       keeps most steps at full speed. Tensors allocated between phases are not seen (they are small
       in the lit-rl methods). ``torch.cuda.max_memory_allocated`` returns 0 without CUDA and is
       never logged there.

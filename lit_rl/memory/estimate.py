@@ -10,19 +10,20 @@ method's own ``training_step`` runs on a fake prompt batch, without a Trainer, u
 :class:`~lit_rl.memory.tracker.TensorMemoryTracker`, the exact tensor accounting that
 :class:`~lit_rl.callbacks.MemoryProfiler` uses on CPU. The phases are the ones the method announces.
 Predicted and measured are therefore the same quantity, *bytes held by tensors*
-(``memory/<phase>/predicted_gib`` beside ``memory/<phase>/peak_gib``), and a Qwen2.5-3B-shaped step is
-predicted in about a minute on a laptop CPU. A new method gets an estimate by implementing its step:
-nothing here names a method or a phase other than ``backward`` and ``optimizer``, which every method's
-update announces. What fake tensors cannot do (value reads, ``generate``'s stopping checks, text) is
-substituted in :mod:`lit_rl.memory.fake`; every completion runs to ``max_new_tokens``.
+(``memory/<phase>/predicted_gib`` beside ``memory/<phase>/peak_gib``); ``bench/results/estimate.md`` records how
+long a Qwen2.5-3B-shaped step takes to predict. A new method gets an estimate by implementing its step:
+nothing here names a method, a hyper-parameter or a phase other than ``backward`` and ``optimizer``, which every
+method's update announces; the batch and lengths it reports come from the method's ``rollout_shape()``
+(:mod:`lit_rl.memory.rollout`). What fake tensors cannot do (value reads, ``generate``'s stopping checks, text)
+is substituted in :mod:`lit_rl.memory.fake`; every completion runs to ``max_new_tokens``.
 
 The prediction is for the **steady state** (second step on), when the optimizer state already exists;
 :attr:`Estimate.first_step` is the first step, whose phases before the first ``optimizer.step()`` have no
 state yet.
 
 Not included, because they are not tensor bytes (add headroom for them on a GPU): the CUDA context
-(~0.3-0.5 GiB), cuBLAS/cuDNN workspaces, the caching allocator's rounding and fragmentation (the
-profiler's ``reserved_gib``), NCCL buffers, the Python heap.
+(its size depends on the GPU, the driver and the CUDA version), cuBLAS/cuDNN workspaces, the caching
+allocator's rounding and fragmentation (the profiler's ``reserved_gib``), NCCL buffers, the Python heap.
 
 Where a prediction can differ from a measurement:
 
@@ -66,6 +67,7 @@ from lit_rl.memory.fake import (
 from lit_rl.memory.peaks import PhasePeaks, category_for
 from lit_rl.memory.phases import BACKWARD, SCRATCH_PHASES
 from lit_rl.memory.report import Component, Estimate
+from lit_rl.memory.rollout import rollout_shape
 from lit_rl.memory.shapes import BUILTIN_SHAPES, config_resolver, model_config_for
 from lit_rl.memory.tracker import TensorMemoryTracker
 from lit_rl.memory.units import GIB, MIB, format_bytes, parse_bytes
@@ -97,8 +99,8 @@ def estimate_step(
     so this is safe to call on the module being trained.
 
     Args:
-        module: an :class:`~lit_rl.methods.RLMethod` (anything with ``phase_names``, ``configure_model``,
-            ``configure_optimizers``, ``attach_optimizer`` and ``training_step``).
+        module: an :class:`~lit_rl.methods.RLMethod` (anything with ``phases``, ``configure_model``,
+            ``configure_optimizers``, ``attach_optimizer``, ``update``, ``training_step`` and ``rollout_shape``).
         batch_size: prompts per step (``data.batch_size``).
         prompt_length: prompt tokens (``data.max_prompt_length`` for the worst case).
         model_config: the policy's config instead of the one ``name_or_path`` names: see
@@ -156,7 +158,8 @@ def estimate_step(
         method.attach_optimizer(optimizer)
         method.policy.generate = fake_generate(method.policy, record, padded=padded, full_decode=full_decode)
         run = _run_step(method, optimizer, batch_size, prompt_length, cast_dtype, autocast_dtype)
-    generations = int(hp.get("num_generations", 1) or 1)
+    shape = rollout_shape(method)  # what the method says it generates, whatever its options are called
+    generations = shape.completions_per_prompt
     batch = batch_size * generations
     settings = dict(
         method=type(method).__name__,
@@ -169,8 +172,8 @@ def estimate_step(
         num_generations=generations,
         batch=batch,
         prompt_length=prompt_length,
-        max_new_tokens=hp.get("max_new_tokens", 0),
-        sequence_length=prompt_length + hp.get("max_new_tokens", 0),
+        max_new_tokens=shape.max_new_tokens,
+        sequence_length=prompt_length + shape.max_new_tokens,
         micro_batch_size=min(hp.get("micro_batch_size") or batch, batch),
         activation_checkpointing=activation_checkpointing,
         padded=padded,

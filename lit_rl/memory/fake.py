@@ -254,7 +254,9 @@ def cache_size(cache) -> tuple[int, str]:
     storages = {}
     for layer in all_layers:
         for value in vars(layer).values():
-            for t in value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else [value]:
+            for t in (
+                value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else [value]
+            ):
                 if isinstance(t, torch.Tensor):
                     storages[id(t.untyped_storage())] = t.untyped_storage().nbytes()
     layers = [layer for layer in all_layers if isinstance(getattr(layer, "keys", None), torch.Tensor)]

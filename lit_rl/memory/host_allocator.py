@@ -5,8 +5,8 @@ request above ``M_MMAP_THRESHOLD`` with its own ``mmap`` (returned to the OS on 
 smaller from heaps it keeps. The threshold is *dynamic* by default: each time an mmapped block is freed
 the threshold rises to its size (up to 32 MiB on 64-bit), so after the first step most activation,
 KV-cache and gradient temporaries come from the heap, and when they die their pages stay in the
-process. The process RSS then sits above the bytes tensors hold (``bench/results/allocator.md``:
-3.53 GiB peak RSS for a 2.72 GiB tensor peak and 0.49 GiB of runtime on ``configs/grpo.yaml``).
+process. The process RSS then sits above the bytes tensors hold plus the runtime's own memory
+(``bench/results/allocator.md`` has both, and the peak RSS, for ``configs/grpo.yaml``).
 
 Two remedies, both process-wide:
 

@@ -5,9 +5,10 @@ with peaks as :mod:`lit_rl.memory.peaks` folds them (``peak_bytes``, ``rss_peak_
 ``breakdown``).
 
 **Steady state.** The first step of a fresh run (``step == 0``) is not like the others: AdamW creates its state
-inside that step's ``optimizer.step()``, so every phase before it holds no optimizer state (1 GiB less at
-135M parameters in float32). The headline figures, the figure's bars and the prediction error are therefore
-taken over the steady-state steps, ``step >= 1``; step 0 is kept in the per-step records and in ``max``/``mean``.
+inside that step's ``optimizer.step()``, so every phase before it holds no optimizer state (two float32 values
+per trainable parameter: 1 GiB at 135M parameters). The headline figures, the figure's bars and the prediction
+error are therefore taken over the steady-state steps, ``step >= 1``; step 0 is kept in the per-step records and
+in ``max``/``mean``.
 """
 
 from __future__ import annotations

@@ -3,12 +3,12 @@
 ``lit-rl estimate`` answers "will it fit?" before a run, so it pads every prompt to ``data.max_prompt_length``
 and lets every completion run to ``max_new_tokens``: an upper bound. A measured step is usually smaller (the
 batch is padded to its longest prompt; generation stops when every completion has emitted EOS), so comparing
-it with the upper bound says nothing about the estimator (+58% on the default GRPO config). The profiler
-therefore asks for a prediction at the measured step's shapes: the batch's prompt count and padded prompt
-length, whether it is padded at all, and the completion length the step really generated (what the method
-reports in ``step_shape["new_tokens"]``; ``max_new_tokens`` when it reports nothing). Shapes repeat (the
-arithmetic prompts have one or two lengths, completions at most ``max_new_tokens``), so each distinct shape
-is estimated once, a few seconds on fake tensors, and cached.
+it with the upper bound says little about the estimator. The profiler therefore asks for a prediction at the
+measured step's shapes: the batch's prompt count and padded prompt length, whether it is padded at all, and the
+completion length the step really generated (what the method reports in ``step_shape["new_tokens"]``, set
+through the constructor argument its ``rollout_shape().length_option`` names; ``max_new_tokens`` when it reports
+nothing or has no such option). Shapes repeat (the arithmetic prompts have one or two lengths, completions at
+most ``max_new_tokens``), so each distinct shape is estimated once on fake tensors and cached.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from lit_rl.memory.estimate import estimate_for_trainer
+from lit_rl.memory.rollout import rollout_shape
 
 
 @dataclass(frozen=True)
@@ -64,8 +65,9 @@ class StepPredictor:
             overrides: dict[str, Any] = dict(
                 batch_size=shape.batch_size, prompt_length=shape.prompt_length, padded=shape.padded
             )
-            if shape.new_tokens is not None and "max_new_tokens" in self.module.hparams:
-                overrides["max_new_tokens"] = max(shape.new_tokens, 1)
+            option = rollout_shape(self.module).length_option  # the method's own name for its completion length
+            if shape.new_tokens is not None and option is not None:
+                overrides[option] = max(shape.new_tokens, 1)
             start = time.perf_counter()
             # the estimate builds and runs a copy of the method on fake tensors: the run's random streams stay untouched
             with torch.random.fork_rng(devices=[]):

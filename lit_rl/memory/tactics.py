@@ -32,7 +32,7 @@ TACTICS: dict[str, Tactic] = {
     for t in (
         Tactic(
             "activation_checkpointing",
-            "recompute decoder-layer activations in the backward instead of keeping them; ~30% more compute",
+            "recompute decoder-layer activations in the backward instead of keeping them; one more policy forward",
             "--config callbacks/activation_checkpointing.yaml",
         ),
         Tactic(

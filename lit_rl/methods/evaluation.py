@@ -42,7 +42,8 @@ class EvalSettings:
             evaluation generates ``num_samples`` times as many sequences per batch.
         temperature: 0 decodes greedily; above 0 samples at this temperature.
         top_p: nucleus sampling when ``temperature > 0``.
-        max_new_tokens: generation limit; ``null`` uses the method's ``max_new_tokens``.
+        max_new_tokens: generation limit; ``null`` uses the method's (``rollout_shape().max_new_tokens``), or 32
+            tokens for a method that generates nothing in training.
         pass_threshold: a completion passes when a function scores it at least this (pass@k only).
         before_training: evaluate once before the first training step (logged at step 0), so the curve
             starts from the untrained model.
@@ -145,8 +146,10 @@ class HeldOutEvaluation:
     what the scores mean can be read, and a scorer that is not part of the run can be applied afterwards.
 
     The host provides ``policy``, ``tokenizer``, ``eos_ids()``, ``decode()``, ``score_functions()``,
-    ``metric_names`` / ``metric_fns`` (and optionally ``reward_names`` / ``reward_fns``) and
-    ``evaluation_settings`` (an :class:`EvalSettings`).
+    ``rollout_shape()`` (the completion length when ``evaluation.max_new_tokens`` is null), ``metric_names`` /
+    ``metric_fns`` (and optionally ``reward_names`` / ``reward_fns``, and ``share_prompt``) and
+    ``evaluation_settings`` (an :class:`EvalSettings`). The batches are the datamodule's ``val_dataloader``
+    batches: ``input_ids`` and ``attention_mask`` (left-padded prompts), ``prompts`` and ``answers``.
     """
 
     evaluation_settings: EvalSettings
@@ -198,7 +201,8 @@ class HeldOutEvaluation:
         n = s.num_samples
         eos = self.eos_ids()
         sample = s.temperature > 0
-        config = dict(do_sample=sample, max_new_tokens=s.max_new_tokens or int(self.hparams.get("max_new_tokens", 32)))
+        limit = s.max_new_tokens or self.rollout_shape().max_new_tokens or 32
+        config = dict(do_sample=sample, max_new_tokens=limit)
         if sample:
             config.update(temperature=s.temperature, top_p=s.top_p, top_k=0)
         sequences = sample_completions(

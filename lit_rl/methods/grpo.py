@@ -26,6 +26,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lit_rl.losses import LOSS_TYPES, SCALE_REWARDS, frac_zero_std, group_advantages, grpo_loss, masked_mean
 from lit_rl.memory.phases import BACKWARD, OPTIMIZER
+from lit_rl.memory.rollout import RolloutShape
 from lit_rl.methods.base import RLMethod
 from lit_rl.methods.evaluation import distinct_bigrams, sample_completions
 from lit_rl.models import head_spec, trunk_hidden
@@ -103,6 +104,7 @@ class RefCachedGRPO(RLMethod):
     """
 
     phase_names: ClassVar[tuple[str, ...]] = ("rollout", "reference", "policy_forward", BACKWARD, OPTIMIZER)
+    progress_bar_metrics: ClassVar[tuple[str, ...]] = ("reward/mean",)
 
     def __init__(
         self,
@@ -144,6 +146,10 @@ class RefCachedGRPO(RLMethod):
     @property
     def needs_reference(self) -> bool:
         return self.hparams.beta > 0
+
+    def rollout_shape(self) -> RolloutShape:
+        hp = self.hparams
+        return RolloutShape(hp.num_generations, hp.max_new_tokens, length_option="max_new_tokens")
 
     def configure_model(self) -> None:
         loaded = self.policy is not None

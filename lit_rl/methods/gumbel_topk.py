@@ -43,6 +43,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import DynamicCache
 
 from lit_rl.memory.phases import BACKWARD, OPTIMIZER
+from lit_rl.memory.rollout import RolloutShape
 from lit_rl.methods.base import RLMethod
 from lit_rl.methods.evaluation import distinct_bigrams
 from lit_rl.models import forward_soft_embeds, head_spec, load_reward_model, score_every_prefix, soft_embeddings, trunk
@@ -114,6 +115,7 @@ class GumbelTopK(RLMethod):
 
     phase_names: ClassVar[tuple[str, ...]] = ("generate", "reward", BACKWARD, OPTIMIZER)
     frozen_modules: ClassVar[tuple[str, ...]] = ("reference", "reward_model")
+    progress_bar_metrics: ClassVar[tuple[str, ...]] = ("reward/mean",)
 
     def __init__(
         self,
@@ -165,6 +167,10 @@ class GumbelTopK(RLMethod):
     @property
     def needs_reference(self) -> bool:
         return self.hparams.beta > 0
+
+    def rollout_shape(self) -> RolloutShape:
+        hp = self.hparams
+        return RolloutShape(hp.num_generations, hp.max_new_tokens, length_option="max_new_tokens")
 
     # ------------------------------------------------------------------ models
     def configure_model(self) -> None:
