@@ -11,20 +11,33 @@ lit-rl export --ckpt_path runs/grpo/.../last.ckpt --out grpo-arith              
 
 A mistake in the settings, files or functions a run is given is answered in one line on stderr,
 ``error: <field>: <what is wrong>; <the fix>``, with exit status 2; ``--debug`` (or ``LIT_RL_DEBUG=1``)
-shows the traceback instead. An error that is not the user's (a bug) keeps its traceback.
+shows the traceback instead. An error that is not the user's (a bug) keeps its traceback
+(:mod:`lit_rl.cli_errors` says which is which).
+
+Every subcommand is parsed the same way: the arguments of a run (``--config`` files, ``--model.*``,
+``--data.*``, ``--trainer.*``) are checked by :func:`lit_rl.cli_errors.check_run_arguments` and then read by
+:class:`LitRLCLI` (jsonargparse); a subcommand's own options (``estimate``, ``export``) by an
+:class:`~lit_rl.cli_errors.OptionParser`, whose mistakes are the same one line.
 """
 
 from __future__ import annotations
 
-import argparse
+import importlib
+import inspect
+import logging
 import os
 import sys
+import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.utilities import rank_zero_info
 
+from lit_rl.cli_errors import OptionParser, check_checkpoint, check_command, check_run_arguments, explain_error
 from lit_rl.memory.estimate import BUILTIN_SHAPES, Estimate, estimate_step, parse_bytes, settings_from
 from lit_rl.memory.fit import fit_report
 from lit_rl.methods.base import RLMethod
@@ -52,21 +65,56 @@ class LitRLCLI(LightningCLI):
             kwargs["exit_on_error"] = False
         return super().init_parser(**kwargs)
 
+    def parse_arguments(self, parser: Any, args: Any) -> None:
+        """Parse, then check a ``ckpt_path`` file before LightningCLI reads its hyper-parameters with ``torch.load``."""
+        super().parse_arguments(parser, args)
+        subcommand = self.config.get("subcommand")
+        ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
+        named = ckpt_path in (None, "last", "best", "hpc") or str(ckpt_path).startswith("registry")
+        if not named:
+            check_checkpoint(ckpt_path)
+
     def before_instantiate_classes(self) -> None:
         # checked before any model is loaded or any log folder is made, so a typo costs nothing
-        config = self.config.get(self.subcommand) if self.subcommand else None
-        if config is None:
-            return
-        ckpt_path = config.get("ckpt_path")
-        named = ckpt_path in (None, "last", "best", "hpc") or str(ckpt_path).startswith("registry")
-        if not named and not Path(ckpt_path).expanduser().is_file():
-            raise FileNotFoundError(
-                f"ckpt_path: {ckpt_path} does not exist; give a checkpoint file, or `last` to resume from the newest "
-                "checkpoint of trainer.callbacks' ModelCheckpoint"
-            )
+        config = self.config.get(self.subcommand) if self.subcommand else self.config
         if "weights_only" in config and config.get("weights_only") is None:
             # a checkpoint is read as tensors and plain containers, never unpickled code, whatever torch's default
             config["weights_only"] = True
+        _drop_checkpoint_callbacks(config.get("trainer"))
+
+
+def _drop_checkpoint_callbacks(trainer: Any) -> None:
+    """With ``trainer.enable_checkpointing: false``, remove the config's ``ModelCheckpoint`` callbacks, said once.
+
+    ``enable_checkpointing`` is then the one switch that turns checkpoints off: Lightning itself refuses the
+    pair (a ModelCheckpoint with checkpointing off), which would make a user edit every config that lists one.
+
+    Args:
+        trainer: the ``trainer`` section of the parsed config (a jsonargparse Namespace), or ``None``.
+    """
+    if trainer is None or trainer.get("enable_checkpointing") is not False:
+        return
+    callbacks = trainer.get("callbacks") or []
+    callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
+    kept = [c for c in callbacks if not _is_model_checkpoint(c)]
+    if len(kept) < len(callbacks):
+        trainer["callbacks"] = kept
+        rank_zero_info(
+            "trainer.enable_checkpointing is false: the ModelCheckpoint callback of the config is left out; "
+            "no checkpoint is written"
+        )
+
+
+def _is_model_checkpoint(callback: Any) -> bool:
+    """Whether a callback entry of the config (``class_path`` + ``init_args``, or an instance) is a ModelCheckpoint."""
+    if isinstance(callback, ModelCheckpoint):
+        return True
+    module, _, name = str(callback.get("class_path", "") if hasattr(callback, "get") else "").rpartition(".")
+    try:
+        klass = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError):
+        return False  # jsonargparse has already refused a class path that does not import
+    return isinstance(klass, type) and issubclass(klass, ModelCheckpoint)
 
 
 def _embed(args: list[str]) -> None:
@@ -91,8 +139,8 @@ def _embed(args: list[str]) -> None:
 # ------------------------------------------------------------------------------------------------ estimate
 
 
-def _option_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+def _option_parser() -> OptionParser:
+    parser = OptionParser(
         prog="lit-rl estimate",
         add_help=False,
         description="Predict the per-phase peak memory (tensor bytes) of one training step without loading weights. "
@@ -175,13 +223,12 @@ def estimate_from_args(args: list[str]) -> tuple[Estimate, dict[str, Any], Any]:
 
 def _estimate(args: list[str]) -> None:
     """``lit-rl estimate``: print the component table, the per-phase peaks and, with ``--device-memory``, the fit."""
-    options, _ = _option_parser().parse_known_args(args)
+    options, rest = _option_parser().parse_known_args(args)
     if options.help:
         _option_parser().print_help()
         return
+    check_run_arguments(rest)
     device_bytes = parse_bytes(options.device_memory) if options.device_memory else None
-    import warnings
-
     warnings.filterwarnings("ignore", category=FutureWarning)  # deprecation notices from peft/transformers internals
     estimate, settings, module = estimate_from_args(args)  # bad settings raise; main() answers in one line
     print(estimate.table())
@@ -189,180 +236,6 @@ def _estimate(args: list[str]) -> None:
     if device_bytes is not None:
         _, report = fit_report(module, estimate, device_bytes, settings, tactics=not options.no_tactics)
         print("\n" + report)
-
-
-# ------------------------------------------------------------------------------------------------ errors
-
-_PACKAGE_DIRS = tuple(str(Path(f).resolve().parent) + os.sep for f in (__file__, L.__file__))  # lit_rl/, lightning/
-_NOISE = ("Does not validate against", "Subtypes:", "Errors:", "Given value", "- Expected a <class 'NoneType'>")
-
-
-def explain_error(err: BaseException, args: list[str]) -> str | None:
-    """The one line (without ``error: ``) that answers a user's mistake, or ``None`` for a bug.
-
-    A user's mistake is what jsonargparse refuses while parsing, a file or network error (``OSError``),
-    or an exception that lit-rl or Lightning raise on purpose (a ``raise`` statement, which names the
-    setting and the fix) anywhere in the chain of causes: jsonargparse wraps a method's refusal in
-    "Does not validate against any of the Union subtypes", Lightning re-raises it as it is.
-    """
-    if isinstance(err, argparse.ArgumentError):
-        return _parse_error(str(err), args)
-    for cause in _causes(err):
-        if isinstance(cause, argparse.ArgumentError):
-            return _parse_error(str(cause), args)
-        if _raised_on_purpose(cause) or isinstance(cause, OSError):
-            return " ".join(str(cause).split()) or type(cause).__name__
-    return None
-
-
-def _causes(err: BaseException) -> list[BaseException]:
-    chain: list[BaseException] = []
-    while err is not None and err not in chain:
-        chain.append(err)
-        err = err.__cause__ or err.__context__
-    return chain
-
-
-def _raised_on_purpose(err: BaseException) -> bool:
-    """Whether a ``raise`` statement in lit-rl or Lightning raised ``err`` (not a failing operation or a bug)."""
-    import linecache
-
-    tb = err.__traceback__
-    if tb is None:
-        return False
-    while tb.tb_next is not None:
-        tb = tb.tb_next
-    filename = str(Path(tb.tb_frame.f_code.co_filename).resolve())
-    if not filename.startswith(_PACKAGE_DIRS):
-        return False
-    return linecache.getline(filename, tb.tb_lineno).lstrip().startswith("raise ")
-
-
-def _parse_error(message: str, args: list[str]) -> str:
-    """jsonargparse's nested report of a parse error, as ``<field>: <what is wrong>; <the fix>``."""
-    import re
-
-    lines = [line.strip().removeprefix("- ") for line in message.strip().splitlines() if line.strip()]
-    head = lines[0] if lines else message
-    command = re.search(r"invalid choice: '([^']*)'", head)
-    if command:
-        return f"{command.group(1)}: not a command of lit-rl; use one of {', '.join(_COMMANDS)}"
-    if head.startswith("Problems parsing config"):
-        return _malformed_config(args) or f"--config: not valid YAML ({' '.join(lines)}); fix the file"
-    missing = re.match(r'Parser key "(?:config|.*\.config)": File does not exist: (.*)', head)
-    if missing:
-        return f"--config: {missing.group(1)} does not exist; give the path of a YAML file, e.g. configs/grpo_tiny.yaml"
-    if head.startswith("unrecognized arguments"):
-        unknown = [a for a in head.split(":", 1)[1].split() if a.startswith("--")]
-        if unknown:
-            return _unknown_option(unknown[0].lstrip("-"))
-        return _unknown_config_key(args) or f"{head}; `lit-rl fit --help` lists the options"
-    refused = re.search(r"does not accept option '([^']+)'", head)
-    if refused:
-        return _unknown_config_key(args) or f"{refused.group(1)}: not an option; `lit-rl fit --help` lists the options"
-    keys = [m.group(1) for line in lines for m in [re.match(r'Parser key "([^"]+)"', line)] if m]
-    class_path = next((m.group(1) for line in lines for m in [re.search(r"given class_path '([^']+)'", line)] if m), "")
-    details = [line for line in lines if not line.startswith(("Parser key", "Problem with given")) and not any(
-        noise in line for noise in _NOISE)]  # fmt: skip
-    detail = details[0].lstrip("- ") if details else head
-    field = ".".join(keys)
-    given = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("Given value:")), "")
-    accepted = re.match(r"Option '([^']+)' is not accepted", detail)
-    if accepted:
-        option = accepted.group(1)
-        return f"{field}.{option}: not an option of {class_path}; {_suggest(option, class_path, field)}"
-    expected = re.match(r"Expected a (.*?)\. Got value: (.*)", detail) or re.match(r"Expected a (.*)", detail)
-    if expected:
-        kind = re.sub(r"<class '([^']+)'>", r"\1", expected.group(1))
-        got = expected.group(2) if expected.lastindex == 2 else given
-        choices = re.match(r"typing\.Literal\[(.*)\]", kind)
-        if choices:
-            return f"{field}: {got!r} is not one of {choices.group(1)}; use one of them"
-        return f"{field}: expected {kind}, got {got!r}; give a value of type {kind}"
-    if class_path and len(keys) == 1:  # the class itself could not be imported
-        return f"{field}.class_path: cannot use {class_path!r} ({detail}); give an importable class, e.g. {_EXAMPLE[field]}"
-    return f"{field or 'arguments'}: {detail}; `lit-rl fit --help` lists the options"
-
-
-_COMMANDS = ("fit", "validate", "test", "predict", "estimate", "embed", "reward-model")
-_EXAMPLE = {"model": "lit_rl.methods.RefCachedGRPO", "data": "lit_rl.data.PromptDataModule"}
-
-
-def _suggest(option: str, class_path: str, section: str) -> str:
-    """Close option names of ``class_path`` and where the list is."""
-    import difflib
-    import importlib
-    import inspect
-
-    module, _, name = class_path.rpartition(".")
-    names: set[str] = set()
-    try:
-        for klass in inspect.getmro(getattr(importlib.import_module(module), name)):
-            if "__init__" in vars(klass):
-                names |= set(inspect.signature(klass.__init__).parameters) - {"self", "args", "kwargs"}
-    except (ImportError, AttributeError, TypeError, ValueError):
-        pass
-    close = difflib.get_close_matches(option, sorted(names), n=1)
-    where = f"`lit-rl fit --{section.split('.')[0]}.help {name}` lists the options"
-    return f"did you mean {close[0]}? {where}" if close else where
-
-
-def _unknown_option(option: str) -> str:
-    import difflib
-    import inspect
-
-    section, _, key = option.rpartition(".")
-    known = set(inspect.signature(L.Trainer.__init__).parameters) - {"self"} if section == "trainer" else set()
-    close = difflib.get_close_matches(key, sorted(known), n=1)
-    hint = f"did you mean {section}.{close[0]}?" if close else "`lit-rl fit --help` lists the options"
-    return f"{option}: not an option; {hint}"
-
-
-def _config_files(args: list[str]) -> list[str]:
-    files = [args[i + 1] for i, a in enumerate(args[:-1]) if a in ("--config", "-c")]
-    return files + [a.split("=", 1)[1] for a in args if a.startswith("--config=")]
-
-
-def _malformed_config(args: list[str]) -> str | None:
-    """The first --config file that is not valid YAML, with the place yaml names."""
-    import yaml
-
-    for path in _config_files(args):
-        try:
-            yaml.safe_load(Path(path).read_text())
-        except yaml.YAMLError as err:
-            mark = getattr(err, "problem_mark", None)
-            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-            problem = getattr(err, "problem", None) or str(err).splitlines()[0]
-            return f"--config {path}: not valid YAML{where} ({problem}); fix the file"
-        except OSError:
-            continue
-    return None
-
-
-def _unknown_config_key(args: list[str]) -> str | None:
-    """A top-level or ``trainer`` key of a --config file that ``lit-rl fit`` does not take (jsonargparse names none)."""
-    import difflib
-    import inspect
-
-    import yaml
-
-    top = {"seed_everything", "trainer", "model", "data", "ckpt_path", "weights_only", "optimizer", "lr_scheduler"}
-    trainer = set(inspect.signature(L.Trainer.__init__).parameters) - {"self"}
-    for path in _config_files(args):
-        try:
-            config = yaml.safe_load(Path(path).read_text())
-        except (OSError, yaml.YAMLError):
-            continue
-        if not isinstance(config, dict):
-            return f"--config {path}: expected a mapping of settings, got {type(config).__name__}; fix the file"
-        for section, known, keys in (("", top, config), ("trainer.", trainer, config.get("trainer") or {})):
-            for key in keys if isinstance(keys, dict) else []:
-                if key not in known:
-                    close = difflib.get_close_matches(key, sorted(known), n=1)
-                    hint = f"did you mean {section}{close[0]}?" if close else "`lit-rl fit --help` lists the options"
-                    return f"{section}{key} (in {path}): not an option; {hint}"
-    return None
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -376,30 +249,113 @@ def main(argv: list[str] | None = None) -> None:
     args = [a for a in args if a != "--debug"]
     if argv is None:  # the density cache's rebuild hint reads sys.argv: keep it, without --debug
         sys.argv = [sys.argv[0], *args]
+    quiet_lightning()
     try:
         _run(args, from_sys_argv=argv is None, debug=debug)
     except Exception as err:
-        line = None if debug else explain_error(err, args)
+        line = None if debug else explain_error(err)
         if line is None:
             raise
         print(f"error: {line}", file=sys.stderr)
         raise SystemExit(2) from None
 
 
-#: the subcommands lit-rl adds to LightningCLI's, with their one-line help (``lit-rl --help`` lists them)
-EXTRA_SUBCOMMANDS = {
-    "estimate": "predict the per-phase peak memory of a config's step, without loading weights (padded upper bound)",
-    "embed": "write the prompt-embedding cache that density sampling reuses",
-    "reward-model": "refit the built-in sentiment reward model (GumbelTopK's default reward) and report its agreement",
-    "export": "write a checkpoint's policy as a Hugging Face folder (merged weights, or the LoRA adapter)",
+# ------------------------------------------------------------------------------------------------ noise
+
+#: Lightning's start-up lines that say nothing about the run, named by the function that logs them (the file
+#: under lightning/pytorch/ and the function), not by their wording
+_LIGHTNING_NOISE = {
+    ("trainer/setup.py", "_log_device_info"),  # "GPU available: False, used: False", "TPU available: ..."
+    ("trainer/connectors/logger_connector/logger_connector.py", "configure_logger"),  # the litlogger advert
+    ("trainer/connectors/callback_connector.py", "_maybe_show_litmodels_tip"),  # the litmodels advert
 }
+
+
+class _DropLightningNoise(logging.Filter):
+    """Drops the log records of :data:`_LIGHTNING_NOISE`; every other Lightning line passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:  # noqa: D102
+        path = Path(record.pathname).as_posix()
+        return not any(path.endswith(f"lightning/pytorch/{file}") and record.funcName == function
+                       for file, function in _LIGHTNING_NOISE)  # fmt: skip
+
+
+def quiet_lightning() -> None:
+    """Silence what Lightning prints on every run that is not about the run; its other lines and warnings stay.
+
+    - the accelerator banner and the litlogger and litmodels adverts: a filter on the logger ``rank_zero_info`` writes to;
+    - the ``FutureWarning`` torch raises when Lightning's ``utilities/_pytree.py`` builds a ``LeafSpec``
+      (Lightning's own code, nothing a user can act on), matched by category and module as torch does itself.
+    """
+    logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    if not any(isinstance(f, _DropLightningNoise) for f in logger.filters):
+        logger.addFilter(_DropLightningNoise())
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"lightning\.pytorch\.utilities\._pytree")
+
+
+# ------------------------------------------------------------------------------------------------ subcommands
+
+
+def _export(args: list[str]) -> None:
+    from lit_rl.export import main as export_main
+
+    export_main(args)
+
+
+def _reward_model(args: list[str]) -> None:
+    """``lit-rl reward-model [--out DIR] [--base ...]``: the options are ``train_sentiment_reward_model``'s."""
+    from lit_rl.reward_model.train import REFIT_OPTIONS, SHIPPED_HEAD_DIR, refit, train_sentiment_reward_model
+
+    parser = OptionParser(
+        prog="lit-rl reward-model",
+        description="Fit the built-in sentiment reward model (a score head on the frozen embedded SmolLM2) again, "
+        "report its agreement with the labeller on held-out openings and how far it is from the shipped head.",
+    )
+    parser.add_argument(
+        "--out", default="runs/reward-model", help=f"folder to write (default: runs/reward-model; {SHIPPED_HEAD_DIR} "
+        "replaces the shipped head)",
+    )  # fmt: skip
+    defaults = inspect.signature(train_sentiment_reward_model).parameters
+    for name, text in REFIT_OPTIONS.items():
+        default = defaults[name].default
+        parser.add_argument(
+            "--" + name.replace("_", "-"), type=type(default), default=default, help=f"{text} (default: {default})"
+        )
+    settings = vars(parser.parse_args(args))
+    refit(settings.pop("out"), **settings)
+
+
+class Subcommand(NamedTuple):
+    """A subcommand lit-rl adds to LightningCLI's: its one-line help and the function given its arguments."""
+
+    help: str
+    run: Callable[[list[str]], None]
+
+
+#: the subcommands lit-rl adds to LightningCLI's (``lit-rl --help`` lists them)
+EXTRA_SUBCOMMANDS = {
+    "estimate": Subcommand(
+        "predict the per-phase peak memory of a config's step, without loading weights (padded upper bound)", _estimate
+    ),
+    "embed": Subcommand("write the prompt-embedding cache that density sampling reuses", _embed),
+    "reward-model": Subcommand(
+        "refit the built-in sentiment reward model (GumbelTopK's default reward) and report its agreement",
+        _reward_model,
+    ),
+    "export": Subcommand(
+        "write a checkpoint's policy as a Hugging Face folder (merged weights, or the LoRA adapter)", _export
+    ),
+}
+#: every subcommand, the one list that dispatch, help and the unknown-command error read
+COMMANDS = (*LightningCLI.subcommands(), *EXTRA_SUBCOMMANDS)
+#: subcommands whose arguments are a run's (``--config`` files and ``--model.*`` / ``--data.*`` / ``--trainer.*``)
+_RUN_ARGUMENTS = (*LightningCLI.subcommands(), "embed")
 
 
 def _print_help() -> None:
     """LightningCLI's help, then the subcommands lit-rl adds (jsonargparse lists only the Trainer's)."""
     import contextlib
     import io
-    import warnings
 
     buffer = io.StringIO()
     with contextlib.redirect_stdout(buffer), contextlib.suppress(SystemExit), warnings.catch_warnings():
@@ -407,29 +363,20 @@ def _print_help() -> None:
         LitRLCLI(args=["--help"])
     print(buffer.getvalue().rstrip())
     print("\nmore subcommands (each takes --help):")
-    for name, text in EXTRA_SUBCOMMANDS.items():
-        print(f"    {name:<14}{text}")
+    for name, subcommand in EXTRA_SUBCOMMANDS.items():
+        print(f"    {name:<14}{subcommand.help}")
 
 
 def _run(args: list[str], *, from_sys_argv: bool, debug: bool) -> None:
     if args and args[0] in ("-h", "--help"):
         _print_help()
         return
-    if args and args[0] == "export":
-        from lit_rl.export import main as export_main
-
-        export_main(args[1:])
-        return
-    if args and args[0] == "embed":
-        _embed(args[1:])
-        return
-    if args and args[0] == "estimate":
-        _estimate(args[1:])
-        return
-    if args and args[0] == "reward-model":
-        from lit_rl.reward_model.train import main as reward_model_main
-
-        reward_model_main(args[1:])
+    check_command(args, COMMANDS)
+    command = args[0] if args else ""
+    if command in _RUN_ARGUMENTS:
+        check_run_arguments(args[1:], command if command in LightningCLI.subcommands() else "fit")
+    if command in EXTRA_SUBCOMMANDS:
+        EXTRA_SUBCOMMANDS[command].run(args[1:])
         return
     # None: LightningCLI reads sys.argv itself (and warns about args given beside a command line)
     LitRLCLI(args=None if from_sys_argv else args, raise_parse_errors=not debug)

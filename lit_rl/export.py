@@ -16,7 +16,6 @@ training; nothing else is downloaded), loads the checkpoint into it and writes:
 
 from __future__ import annotations
 
-import argparse
 import importlib
 from pathlib import Path
 from typing import Any
@@ -24,17 +23,18 @@ from typing import Any
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
+from lit_rl.cli_errors import OptionParser, check_checkpoint
+
 
 def load_method(ckpt_path: str | Path):
     """The method a checkpoint was trained with, its models built and the checkpoint's weights loaded (eval mode).
 
     Raises:
-        FileNotFoundError: no such file.
+        UsageError: no such file, or not a torch checkpoint (:func:`~lit_rl.cli_errors.check_checkpoint`).
         ValueError: the checkpoint does not name its method (no ``_class_path`` in its hyper-parameters).
     """
     path = Path(ckpt_path).expanduser()
-    if not path.is_file():
-        raise FileNotFoundError(f"--ckpt_path: {path} does not exist; give a .ckpt file written by lit-rl fit")
+    check_checkpoint(path, "--ckpt_path")
     checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     hparams: dict[str, Any] = dict(checkpoint.get("hyper_parameters", {}))
     class_path = hparams.get("_class_path")
@@ -79,7 +79,7 @@ def export(ckpt_path: str | Path, out: str | Path, *, adapter: bool = False) -> 
 
 def main(args: list[str]) -> None:
     """``lit-rl export --ckpt_path FILE --out DIR [--adapter]``."""
-    parser = argparse.ArgumentParser(
+    parser = OptionParser(
         prog="lit-rl export",
         description="Write a training checkpoint's policy as a Hugging Face folder: merged weights "
         "(AutoModelForCausalLM.from_pretrained) or, with --adapter, the LoRA adapter (peft).",

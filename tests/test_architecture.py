@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "lit_rl"
 # top to bottom; a module may import only from its own layer's files or the layers below it
 LAYERS = {
-    "cli": 5, "__main__": 5, "__init__": 5, "export": 5,
+    "cli": 5, "cli_errors": 5, "__main__": 5, "__init__": 5, "export": 5,
     "methods": 4, "callbacks": 4,
     "data": 3, "reward_model": 3,
     "memory": 2,
@@ -70,6 +70,7 @@ def test_every_import_points_down_the_layers_and_takes_no_private_name():
     assert not wrong, "\n".join(wrong)
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_the_estimator_imports_neither_the_cli_nor_methods_nor_callbacks():
     code = (
         "import sys, lit_rl.memory.estimate\n"
@@ -85,6 +86,7 @@ def test_no_file_under_lit_rl_is_over_500_lines():
     assert {m: n for m, n in sizes.items() if n > 500} == {}
 
 
+@pytest.mark.slow  # a CLI subprocess per method
 @pytest.mark.parametrize("method", ["RefCachedGRPO", "Intuitor"])
 def test_help_lists_every_option_through_the_constructor_chain(method):
     out = subprocess.run(

@@ -14,6 +14,7 @@ from lit_rl.cli import LitRLCLI, main
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # a CLI subprocess
 def test_module_entry_point_prints_help():
     out = subprocess.run([sys.executable, "-m", "lit_rl", "--help"], capture_output=True, text=True, check=True)
     assert "fit" in out.stdout and "validate" in out.stdout
@@ -119,3 +120,36 @@ def test_embed_rebuilds_a_stale_cache_and_fit_names_the_exact_rebuild_command(tm
     before = json.loads((cache / "embeddings.json").read_text())["dataset_fingerprint"]
     main(shlex.split(command)[1:])
     assert json.loads((cache / "embeddings.json").read_text())["dataset_fingerprint"] != before
+
+
+def test_enable_checkpointing_false_leaves_out_the_configs_model_checkpoint(tmp_path, monkeypatch, caplog):
+    import logging
+
+    # lightning stops propagating its log records when the root logger had no handler at import time
+    monkeypatch.setattr(logging.getLogger("lightning.pytorch"), "propagate", True)
+    checkpoint = {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                  "init_args": {"dirpath": str(tmp_path / "ckpt"), "save_last": True}}  # fmt: skip
+    (tmp_path / "ckpt.yaml").write_text(yaml.safe_dump({"trainer": {"callbacks": [checkpoint]}}))
+    with caplog.at_level(logging.INFO):
+        main(["fit", "--config", str(ROOT / "configs/grpo_tiny.yaml"), "--config", str(tmp_path / "ckpt.yaml"),
+              "--trainer.enable_checkpointing", "false", "--trainer.max_steps", "1", "--trainer.logger", "false",
+              "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(tmp_path)])  # fmt: skip
+    said = [r.getMessage() for r in caplog.records if "ModelCheckpoint" in r.getMessage()]
+    assert said == [
+        "trainer.enable_checkpointing is false: the ModelCheckpoint callback of the config is left out; "
+        "no checkpoint is written"
+    ]
+    assert not list(tmp_path.rglob("*.ckpt"))
+
+
+@pytest.mark.slow  # a CLI subprocess that trains a step
+def test_a_run_prints_no_lightning_banner_advert_or_deprecation_notice(tmp_path):
+    """Lightning's accelerator banner, its litlogger advert and torch's LeafSpec notice are not lit-rl's to print."""
+    args = [sys.executable, "-m", "lit_rl", "fit", "--config", str(ROOT / "configs/grpo_tiny.yaml"),
+            "--trainer.max_steps", "1", "--trainer.default_root_dir", str(tmp_path)]  # fmt: skip
+    run = subprocess.run(args, capture_output=True, text=True, cwd=tmp_path)
+    output = run.stdout + run.stderr
+    assert run.returncode == 0, output[-3000:]
+    for noise in ("GPU available", "TPU available", "litlogger", "LeafSpec"):
+        assert noise not in output, output
+    assert "run finished after 1 steps" in output  # lit-rl's own lines stay

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from lit_rl.cli import main
@@ -48,6 +49,10 @@ def earlier(tmp_path_factory) -> Path:
     (folder / "data/long.jsonl").write_text("\n".join(long) + "\n")
     (folder / "bad.yaml").write_text("model:\n  init_args:\n    beta: [0.1\n")
     (folder / "typo.yaml").write_text("trainer:\n  max_stepz: 3\n")
+    (folder / "random.ckpt").write_bytes(os.urandom(4096))
+    torch.save({"state_dict": {"w": torch.zeros(256)}}, folder / "whole.ckpt")
+    whole = (folder / "whole.ckpt").read_bytes()
+    (folder / "truncated.ckpt").write_bytes(whole[: len(whole) // 2])  # a copy cut short
     (folder / "foreign_rm").mkdir()
     _foreign_vocabulary_reward_model(folder / "foreign_rm")
     return folder
@@ -132,6 +137,18 @@ CATALOGUE = [
      "tokens; 1 token->id pairs differ): the soft tokens are policy ids; use a reward model trained on"),
     ("ckpt_path", ["--config", str(GRPO), "--ckpt_path", "{d}/ckpt/nope.ckpt"],
      "ckpt_path: {d}/ckpt/nope.ckpt does not exist; give a checkpoint file, or `last`"),
+    ("corrupt ckpt_path", ["--config", str(GRPO), "--ckpt_path", "{d}/random.ckpt"],
+     "ckpt_path: {d}/random.ckpt is not a readable checkpoint (truncated, or not written by torch.save); give a .ckpt"),
+    ("truncated ckpt_path", ["--config", str(GRPO), "--ckpt_path", "{d}/truncated.ckpt"],
+     "ckpt_path: {d}/truncated.ckpt is not a readable checkpoint"),
+    ("lora rank 0", ["--config", str(GRPO), "--model.init_args.lora.r", "0"],
+     "model.lora.r: must be >= 1, got 0; set the adapter rank to 1 or more"),
+    ("lora dropout", ["--config", str(GRPO), "--model.init_args.lora.dropout", "1.5"],
+     "model.lora.dropout: must be in [0, 1), got 1.5; use 0 to switch it off"),
+    ("unknown trainer option", ["--config", str(GRPO), "--trainer.max_stepz", "3"],
+     "trainer.max_stepz: not an option; did you mean trainer.max_steps?"),
+    ("class path", ["--config", str(GRPO), "--model", "no.such.Method"],
+     "model.class_path: cannot import 'no.such.Method'; give an importable class, e.g. lit_rl.methods.RefCachedGRPO"),
     ("missing config", ["--config", "{d}/nope.yaml"], "--config: '{d}/nope.yaml' does not exist"),
 ]  # fmt: skip
 
@@ -161,10 +178,12 @@ def test_a_stale_density_cache_names_the_command_that_rebuilds_it(tmp_path, caps
 
 def test_an_unknown_command_is_named(capsys):
     assert _error_line(capsys, ["fitt"]) == (
-        "error: fitt: not a command of lit-rl; use one of fit, validate, test, predict, estimate, embed, reward-model"
+        "error: fitt: not a command of lit-rl; did you mean fit? use one of fit, validate, test, predict, estimate, embed, "
+        "reward-model, export"
     )
 
 
+@pytest.mark.slow  # three CLI subprocesses
 def test_the_console_script_prints_one_line_and_the_traceback_only_in_debug_mode():
     args = [sys.executable, "-m", "lit_rl", "fit", "--config", str(GRPO), "--model.init_args.num_generations", "1"]
     env = {k: v for k, v in os.environ.items() if k != "LIT_RL_DEBUG"}

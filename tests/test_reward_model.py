@@ -311,14 +311,22 @@ def test_an_interrupted_run_leaves_no_folder(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_main_trains_and_refuses_a_foreign_folder(tmp_path, capsys):
-    from lit_rl.reward_model.train import main
+def test_the_command_trains_and_refuses_a_foreign_folder_in_one_line(tmp_path, capsys):
+    from lit_rl.cli import main
 
     small = ["--num-train-prompts", "4", "--num-heldout-prompts", "2", "--max-new-tokens", "3", "--seed", "1"]
-    main(["--base", "tiny:llama", "--out", str(tmp_path / "rm"), *small])
+    main(["reward-model", "--base", "tiny:llama", "--out", str(tmp_path / "rm"), *small])
     saved = json.loads((tmp_path / "rm" / "reward_model.json").read_text())
     assert saved["settings"]["seed"] == 1 and saved["settings"]["num_train_prompts"] == 4
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "notes.txt").write_text("mine")
-    with pytest.raises(SystemExit, match=r"^error: lit-rl reward-model: .* holds no reward_model.json"):
-        main(["--base", "tiny:llama", "--out", str(tmp_path / "other"), *small])
+    with pytest.raises(SystemExit) as exit_:
+        main(["reward-model", "--base", "tiny:llama", "--out", str(tmp_path / "other"), *small])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "holds no reward_model.json" in err[0], err
+    assert (tmp_path / "other" / "notes.txt").read_text() == "mine"  # nothing of the user's is lost
+    with pytest.raises(SystemExit) as exit_:
+        main(["reward-model", "--seeds", "1"])
+    assert exit_.value.code == 2
+    assert "lit-rl reward-model: unrecognized arguments: --seeds 1" in capsys.readouterr().err

@@ -92,12 +92,27 @@ class LoraSettings:
         dropout: dropout on the adapter input.
         target_modules: module names to adapt, or ``"all-linear"``. The LM head cannot be adapted:
             the logits-free ops read its weight directly.
+
+    Raises:
+        ValueError: ``r < 1``, ``alpha <= 0``, ``dropout`` outside ``[0, 1)`` or no ``target_modules``.
     """
 
     r: int = 16
     alpha: int = 32
     dropout: float = 0.0
     target_modules: list[str] | str = field(default_factory=lambda: "all-linear")
+
+    def __post_init__(self) -> None:
+        # checked here, at parse time, so a bad value is one line naming the field instead of peft's traceback
+        # when the adapters are built after the run has started
+        if self.r < 1:
+            raise ValueError(f"model.lora.r: must be >= 1, got {self.r}; set the adapter rank to 1 or more (e.g. 16)")
+        if self.alpha <= 0:
+            raise ValueError(f"model.lora.alpha: must be > 0, got {self.alpha}; set it to e.g. 2 * r")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"model.lora.dropout: must be in [0, 1), got {self.dropout}; use 0 to switch it off")
+        if not self.target_modules:
+            raise ValueError("model.lora.target_modules: empty; name the modules to adapt, or use all-linear")
 
 
 def cache_dir() -> Path:

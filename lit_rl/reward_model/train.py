@@ -18,13 +18,10 @@ is from the shipped one; ``--out lit_rl/reward_model/heads/smollm2_sentiment`` r
 
 from __future__ import annotations
 
-import argparse
-import inspect
 import json
 import os
 import random
 import shutil
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -280,7 +277,9 @@ def _with_trunk_of(reward_model, classifier):
     return reward_model
 
 
-_OPTIONS = {  # option -> help; the defaults are train_sentiment_reward_model's
+#: ``lit-rl reward-model``'s options (``lit_rl/cli.py`` builds the parser): option -> help; the defaults are
+#: :func:`train_sentiment_reward_model`'s
+REFIT_OPTIONS = {
     "base": "trunk, tokenizer and sampling policy: embedded, tiny:llama, or a causal LM folder",
     "num_train_prompts": "training-split openings the policy continues",
     "num_heldout_prompts": "held-out openings for the reported agreement",
@@ -292,36 +291,22 @@ _OPTIONS = {  # option -> help; the defaults are train_sentiment_reward_model's
 }
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="lit-rl reward-model",
-        description="Fit the built-in sentiment reward model (a score head on the frozen embedded SmolLM2) again, "
-        "report its agreement with the labeller on held-out openings and how far it is from the shipped head.",
-    )
-    parser.add_argument(
-        "--out", default="runs/reward-model", help=f"folder to write (default: runs/reward-model; {SHIPPED_HEAD_DIR.name} "
-        "inside lit_rl/reward_model/heads replaces the shipped head)",
-    )  # fmt: skip
-    defaults = inspect.signature(train_sentiment_reward_model).parameters
-    for name, text in _OPTIONS.items():
-        default = defaults[name].default
-        parser.add_argument(
-            "--" + name.replace("_", "-"), type=type(default), default=default, help=f"{text} (default: {default})"
-        )
-    return parser
+def refit(out: str | Path, **settings) -> dict:
+    """``lit-rl reward-model``: fit, save, and print the held-out agreement and the distance to the shipped head.
 
+    Args:
+        out: the folder to write (``SHIPPED_HEAD_DIR`` replaces the shipped head).
+        settings: :func:`train_sentiment_reward_model`'s keyword arguments.
 
-def main(argv: list[str] | None = None) -> None:
-    """``lit-rl reward-model``: fit, save, and print the held-out agreement and the distance to the shipped head."""
+    Returns:
+        The metadata written beside the head.
+    """
     from safetensors.torch import load_file
 
-    args = vars(_parser().parse_args(sys.argv[1:] if argv is None else argv))
-    out = Path(args.pop("out"))
-    rank_zero_info(f"lit-rl reward-model: fitting a sentiment head on {args['base']}; writing {out}")
-    try:
-        meta = train_sentiment_reward_model(out, **args)
-    except (ValueError, FileExistsError, FileNotFoundError) as err:
-        raise SystemExit(f"error: lit-rl reward-model: {err}") from err
+    out = Path(out)
+    base = settings.get("base", EMBEDDED)
+    rank_zero_info(f"lit-rl reward-model: fitting a sentiment head on {base}; writing {out}")
+    meta = train_sentiment_reward_model(out, **settings)
     for name, part in (("whole continuations", "agreement"), ("random prefixes", "prefixes")):
         m = meta["heldout"][part]
         rank_zero_info(
@@ -329,11 +314,8 @@ def main(argv: list[str] | None = None) -> None:
             f"(n={m['n']}, {m['positive_rate']:.0%} positive)"
         )
     shipped = Path(shipped_head_file())
-    if args["base"] == EMBEDDED and shipped.exists() and out.resolve() != SHIPPED_HEAD_DIR.resolve():
+    if base == EMBEDDED and shipped.exists() and out.resolve() != SHIPPED_HEAD_DIR.resolve():
         diff = (load_file(out / HEAD_FILE)["score.weight"] - load_file(shipped)["score.weight"]).abs().max().item()
         rank_zero_info(f"largest difference from the shipped head {shipped}: {diff:.3g}")
     rank_zero_info(f"wrote {out} in {meta['seconds']['total']:.0f} s (metrics in {out / META_FILE})")
-
-
-if __name__ == "__main__":
-    main()
+    return meta
