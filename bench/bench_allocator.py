@@ -1,7 +1,7 @@
 """Allocator benchmark: peak RSS and step time of real lit-rl training steps under each CPU allocator option.
 
-Measures what issue 11 asks for ("the allocator's cached memory as a measured tactic"). glibc keeps the
-heap pages of freed tensors, so the process RSS of a CPU step sits far above the bytes tensors hold.
+Measures the allocator's cached memory as a tactic with a cost, where a naive setup leaves it unmeasured: glibc keeps
+the heap pages of freed tensors, so the process RSS of a CPU step sits far above the bytes tensors hold.
 Options compared (each in a fresh ``python`` subprocess that runs ``lit-rl fit`` in-process):
 
 - ``none``: glibc defaults (dynamic mmap threshold, 128 KiB trim threshold);
@@ -24,7 +24,7 @@ allocator's work included) of all rounds; **tensor peak** the exact bytes held b
 peak from :class:`lit_rl.callbacks.MemoryProfiler` (tensor accounting, the maximum over the phases of
 one extra run per workload, 2 steps for full-ft so AdamW's state exists, 1 for LoRA: the allocator does
 not change it); **baseline** the RSS at ``on_train_start`` (``import torch`` and the libraries + model load) minus the bytes of the tensors alive then (the weights), i.e. what the runtime
-holds besides tensors; **ratio** ``peak RSS / (tensor peak + baseline)``, the issue's target is <= 1.3.
+holds besides tensors; **ratio** ``peak RSS / (tensor peak + baseline)``, the target is <= 1.3.
 The runs are interleaved (round 1 in option order, round 2 reversed, ...) so that load drift on a shared
 machine affects every option. RSS and tensor bytes do not depend on the machine's load; times do.
 
@@ -32,9 +32,10 @@ Workloads:
 
 - ``full-ft``: ``configs/grpo.yaml`` as shipped (embedded SmolLM2-135M-Instruct, full fine-tuning, 2 prompts x 8
   generations, 12 new tokens), shortened: ``--trainer.max_steps 3 --data.val_size 0``, no checkpoints, no logger;
-- ``lora``: the issue's LoRA run (2 prompts x 4 generations, LoRA r16 on all linear layers, activation
+- ``lora``: a LoRA run (2 prompts x 4 generations, LoRA r16 on all linear layers, activation
   checkpointing with ``--config callbacks/activation_checkpointing.yaml``), with 128 new tokens forced
-  (``--model.min_new_tokens 128``; the issue used 256: half the step time on a shared 2-core machine), 2 steps.
+  (``--model.min_new_tokens 128``; 256 in the TRL comparison of ``bench/vs_trl.py``: half the step time on a
+  shared 2-core machine), 2 steps.
 
 Run (prints a markdown table; about 50 minutes on 2 shared CPU cores)::
 

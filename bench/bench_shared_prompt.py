@@ -1,4 +1,4 @@
-"""Step time of the default GRPO config: shared-prompt passes on, off, and the code before this issue's changes.
+"""Step time of the default GRPO config: shared-prompt passes on, off, and the code before a given commit.
 
 Runs the README's first command, ``lit-rl fit --config configs/grpo.yaml`` (embedded SmolLM2-135M-Instruct,
 2 prompts x 8 completions of at most 12 tokens, full fine-tuning), for ``--steps`` optimizer steps, each run a

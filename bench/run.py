@@ -1,4 +1,4 @@
-"""The side-by-side suite of issue 11 in one command: writes ``BENCHMARKS.md`` and PNG plots in ``results/``.
+"""lit-rl beside TRL and beside full-logits baselines, in one command: writes ``BENCHMARKS.md`` and ``results/*.png``.
 
 Parts (``--only`` picks some, comma-separated):
 

@@ -11,6 +11,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = [pytest.mark.bench, pytest.mark.slow]  # bench/bench_gumbel_topk.py --quick in a subprocess
+
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "bench_gumbel_topk.py"
 PATHS = ["legacy", "top-k", "top-k + ckpt"]
 PHASES = ["generate", "reward", "backward", "optimizer", "**step peak**"]
@@ -61,5 +65,5 @@ def test_quick_bench_prints_every_table(tmp_path):
     assert [r[0] for r in breakdown] == ["parameters", "gradients", "optimizer_state", "activations", "temporaries",
                                          "other", "total"]  # fmt: skip
 
-    assert (tmp_path / "gumbel.md").read_text().count("### ") >= 4
+    assert (tmp_path / "gumbel_topk.md").read_text().count("### ") >= 4
     assert (tmp_path / "gumbel_topk_peak_vs_length.png").stat().st_size > 0

@@ -1,4 +1,4 @@
-"""bench/bench_policy_update.py --quick runs end to end, so the memory benchmark of issues 3 and 5 cannot rot.
+"""bench/bench_policy_update.py --quick runs end to end, so the policy-update memory benchmark cannot rot.
 
 The quick sizes are far too small for the targets to mean anything; only the structure of the tables and
 a few exact byte counts that hold at any size are checked.
@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+pytestmark = [pytest.mark.bench, pytest.mark.slow]  # bench/bench_policy_update.py --quick, in this process
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "bench_policy_update.py"
 

@@ -89,7 +89,8 @@ class PromptDataModule(L.LightningDataModule):
             (sparse regions of prompt space are drawn more often). Costs one no-grad pass of the policy
             over every prompt at start-up (cached on disk with ``density_cache_dir``).
         density_k: neighbours for the density estimate.
-        density_pooling: ``hidden`` (mean last hidden state, small) or ``logits`` (vocab-sized, the seed's choice).
+        density_pooling: ``hidden`` (mean last hidden state, small) or ``logits``
+            (mean-pooled logits, vocab-sized: what ``bench/bench_density.py`` compares against).
         density_backend: ``auto``, ``exact``, ``ivf`` or ``numpy``.
         density_cache_dir: folder for the offline embedding cache (``lit-rl embed`` writes it).
         seed: seeds the arithmetic generator and the sampling stream.

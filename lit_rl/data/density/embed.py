@@ -2,8 +2,8 @@
 
 How this differs from embedding prompts by their logits: embeddings are the
 mean-pooled **last hidden state** (576 dims for SmolLM2-135M) instead of mean-pooled logits (50,304
-dims): 28k prompts take 64 MB in float32 (32 MB in float16) where the seed needed 5.25 GB.
-``pooling="logits"`` keeps the seed's definition for parity, and even then no ``[B, T, V]`` logits
+dims): 28k prompts take 64 MB in float32 (32 MB in float16) where logits would take 28k x 50,304 x 4 bytes = 5.6 GB.
+``pooling="logits"`` keeps the logits definition for parity, and even then no ``[B, T, V]`` logits
 tensor is built: the LM head is linear, so the mean of the logits over tokens equals the LM head
 applied to the mean hidden state.
 """
@@ -116,7 +116,7 @@ def embed_prompts(
 
     The model runs in eval mode without gradients. ``pooling="hidden"`` mean-pools the last hidden
     state over non-pad tokens through the model's trunk (``model.base_model``), so the LM head never
-    runs; ``pooling="logits"`` mean-pools the logits (the seed's definition, ``D = vocab``) computed
+    runs; ``pooling="logits"`` mean-pools the logits (``D = vocab``) computed
     as ``lm_head(mean hidden)``, which is equal for a linear head and never builds ``[B, T, V]``.
     Position ids count from the first real token, so a prompt's vector does not depend on how much
     padding its batch needed. The training mode of the model is restored afterwards.
