@@ -1,4 +1,9 @@
-"""Shared test helpers: a logger that keeps what was logged, and an isolated model cache."""
+"""Shared test helpers: a logger that keeps what was logged, an isolated model cache, and the test tiers.
+
+Tiers (markers registered in pyproject.toml): ``slow`` tests take more than a couple of seconds, ``bench`` tests run a
+``bench/`` script and ``multiprocess`` tests start several processes; the last two are always also ``slow``, so
+``python -m pytest -m "not slow"`` is the fast inner loop and the plain ``python -m pytest`` runs everything.
+"""
 
 from __future__ import annotations
 
@@ -28,6 +33,14 @@ class CaptureLogger(Logger):
 
     def log_hyperparams(self, params, *args, **kwargs) -> None:
         pass
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects anything
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # a bench or multiprocess test marked without `slow` still stays out of the fast tier
+    for item in items:
+        if item.get_closest_marker("bench") or item.get_closest_marker("multiprocess"):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture

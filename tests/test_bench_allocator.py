@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = [pytest.mark.bench, pytest.mark.slow]  # bench/bench_allocator.py --quick, one fresh subprocess per option
+
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "bench_allocator.py"
 
 

@@ -11,6 +11,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = [pytest.mark.bench, pytest.mark.slow]  # bench/bench_gumbel_topk_vs_grpo.py --quick in a subprocess
+
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "bench_gumbel_topk_vs_grpo.py"
 
 

@@ -12,6 +12,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = [pytest.mark.bench, pytest.mark.slow]  # bench/bench_intuitor.py in a subprocess
+
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "bench_intuitor.py"
 SETTINGS = ["baseline", "mask_truncated"]  # the script's QUICK_SETTINGS
 COLUMNS = [

@@ -38,6 +38,7 @@ def test_a_memory_figure_in_a_header_cites_the_estimate(config):
             assert CITED.search(line), f"{config.name}: '{line}' gives GiB without `lit-rl estimate ...` beside it"
 
 
+@pytest.mark.slow  # estimates at full model size, one per cited command
 @pytest.mark.parametrize(("config", "figure", "args"), _figures(), ids=lambda v: v if isinstance(v, str) else "")
 def test_the_figure_is_what_the_estimate_says(config, figure, args, monkeypatch):
     monkeypatch.chdir(ROOT)  # the cited command runs from the repository root

@@ -15,6 +15,8 @@ import torch
 import yaml
 from lightning.pytorch.callbacks import Callback
 
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]  # two DDP ranks on gloo, launched through `lit-rl fit`
+
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
 STEPS = 2

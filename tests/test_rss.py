@@ -48,7 +48,7 @@ def test_stage_times_and_measures_a_block():
         block = mmap.mmap(-1, 200 * 2**20)
         block.write(b"\1" * len(block))
         block.close()
-    assert big.elapsed_s >= 0 and big.cpu_s >= 0
+    assert big.elapsed_s > 0 and big.cpu_s > 0  # writing 200 MiB takes measurable time (0.0 is the unset default)
     if sys.platform.startswith("linux"):
         assert big.peak_rss_gib > 0
     if big.per_stage:
