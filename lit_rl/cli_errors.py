@@ -106,7 +106,7 @@ def check_run_arguments(args: list[str], command: str = "fit") -> None:
             )
         for section, known, keys in (("", top, config), ("trainer.", trainer, config.get("trainer"))):
             for key in keys if isinstance(keys, dict) else []:
-                if key not in known:
+                if key.removesuffix("+") not in known:  # `callbacks+:` appends to a list (jsonargparse)
                     raise UsageError(f"{section}{key} (in {path}): not an option; {_did_you_mean(section, key, known)}")
 
 

@@ -36,6 +36,23 @@ def test_print_config_applies_overrides(capsys):
     assert config["data"]["class_path"] == "lit_rl.data.PromptDataModule"
 
 
+@pytest.mark.parametrize("config", ["grpo", "intuitor", "gumbel_topk"])
+def test_every_callback_fragment_composes_through_the_command(config, capsys):
+    # `callbacks+:` in a fragment appends to the config's list; the command's own checks must take it too
+    fragments = sorted((ROOT / "callbacks").glob("*.yaml"))
+    args = ["fit", "--config", str(ROOT / f"configs/{config}.yaml")]
+    for fragment in fragments:
+        args += ["--config", str(fragment)]
+    with pytest.raises(SystemExit) as exit_:
+        main([*args, "--print_config"])
+    assert exit_.value.code in (0, None), capsys.readouterr().err
+    callbacks = yaml.safe_load(capsys.readouterr().out)["trainer"]["callbacks"]
+    added = {c["class_path"].rsplit(".", 1)[-1] for c in callbacks}
+    for fragment in fragments:
+        wanted = yaml.safe_load(fragment.read_text())["trainer"]["callbacks+"]
+        assert {c["class_path"].rsplit(".", 1)[-1] for c in wanted} <= added, fragment.name
+
+
 def test_bad_value_fails_before_training():
     with pytest.raises(ValueError, match="num_generations: must be >= 2"):
         LitRLCLI(

@@ -42,7 +42,7 @@ def as_array(embeddings: Any) -> np.ndarray:
 
 def as_float32(a: np.ndarray) -> np.ndarray:
     """A C-contiguous float32 copy of ``a`` (or ``a`` itself when it already is one)."""
-    if a.dtype == np.float16:  # torch's vectorised half -> float conversion is ~10x numpy's
+    if a.dtype == np.float16:  # torch's half -> float conversion is vectorised; numpy's is not
         with warnings.catch_warnings():  # a read-only memmap: torch only reads it here
             warnings.simplefilter("ignore", UserWarning)
             return torch.from_numpy(np.ascontiguousarray(a)).float().numpy()

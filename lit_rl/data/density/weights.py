@@ -84,8 +84,8 @@ def inverse_density_weights(
             ``"numpy"`` (float64 brute force, for tests and small N) or ``"auto"`` (exact below
             ``ivf_threshold`` points, IVF from there on).
         nprobe: IVF lists probed per point: more is slower and closer to exact. With ``by_list`` a
-            point is compared with every list probed by any point of its own list, so 3 already
-            gives recall@10 of about 0.97 on the 1M bench (4 costs ~25% more search time).
+            point is compared with every list probed by any point of its own list, so a small nprobe
+            already recalls most true neighbours (recall and time by nprobe: ``bench/results/density.md``).
         ivf_threshold: number of points from which ``"auto"`` switches to IVF.
         nlist: IVF lists; default ``4 * sqrt(N)`` (at most ``N / 39``).
         train_size: points the IVF k-means is trained on, drawn at random with ``seed``; default ``20 * nlist``
