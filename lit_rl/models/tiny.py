@@ -41,8 +41,11 @@ def tiny_tokenizer(pad_token: bool = True) -> PreTrainedTokenizerFast:
 
 def tiny_config(arch: str = "llama", vocab_size: int = 128, hidden_size: int = 32, num_layers: int = 2, **kw):
     """A transformers config of a tiny causal LM in one of the shapes we support (llama, qwen2, gpt2)."""
-    if arch == "llama":
-        return LlamaConfig(
+    # llama and qwen2 share every field; they differ in the class and whether the LM head is tied by default
+    llama_like = {"llama": (LlamaConfig, True), "qwen2": (Qwen2Config, False)}
+    if arch in llama_like:
+        config_class, tied = llama_like[arch]
+        return config_class(
             vocab_size=vocab_size,
             hidden_size=hidden_size,
             intermediate_size=2 * hidden_size,
@@ -50,22 +53,7 @@ def tiny_config(arch: str = "llama", vocab_size: int = 128, hidden_size: int = 3
             num_attention_heads=4,
             num_key_value_heads=2,
             max_position_embeddings=512,
-            tie_word_embeddings=kw.pop("tie_word_embeddings", True),
-            pad_token_id=0,
-            eos_token_id=2,
-            bos_token_id=1,
-            **kw,
-        )
-    if arch == "qwen2":
-        return Qwen2Config(
-            vocab_size=vocab_size,
-            hidden_size=hidden_size,
-            intermediate_size=2 * hidden_size,
-            num_hidden_layers=num_layers,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=512,
-            tie_word_embeddings=kw.pop("tie_word_embeddings", False),
+            tie_word_embeddings=kw.pop("tie_word_embeddings", tied),
             pad_token_id=0,
             eos_token_id=2,
             bos_token_id=1,
