@@ -1,6 +1,7 @@
 """Two processes on CPU (``ddp``, gloo) for two steps of each method, launched as a user would (``lit-rl fit`` with
 ``--trainer.devices 2``): parameters equal on both ranks afterwards, logged metrics the mean over ranks, each rank
-its own disjoint draws of the (density-weighted) prompt stream, and ``dapo`` normalised by the token count of the whole step (both ranks)."""
+its own disjoint draws of the (density-weighted) prompt stream, ``dapo`` normalised by the token count of the whole
+step (both ranks), and the entropy-mask threshold taken over both ranks' tokens."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ class RankRecorder(Callback):
 
     def __init__(self, out: str) -> None:
         self.out = Path(out)
-        self.seen: dict[str, list] = {"indices": [], "rewards": [], "num_items": [], "tokens": []}
+        self.seen: dict[str, list] = {"indices": [], "rewards": [], "num_items": [], "tokens": [], "pooled": []}
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         import lit_rl.methods.grpo as grpo
@@ -41,6 +42,13 @@ class RankRecorder(Callback):
             return loss(logp, old_logp, ref_logp, advantages, mask, **kwargs)
 
         grpo.grpo_loss = recording_loss  # this process's copy of the module only
+        entropy_mask = grpo.high_entropy_mask
+
+        def recording_mask(entropy, mask, quantile, *, pooled=None):
+            self.seen["pooled"].append(None if pooled is None else pooled.numel())
+            return entropy_mask(entropy, mask, quantile, pooled=pooled)
+
+        grpo.high_entropy_mask = recording_mask
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self.seen["indices"].append(batch["index"].tolist())
@@ -67,7 +75,8 @@ METHODS = {
             "3",
         ],
     ),
-    "intuitor": ("intuitor_tiny.yaml", []),
+    # entropy masking takes one threshold over both ranks' tokens
+    "intuitor": ("intuitor_tiny.yaml", ["--model.init_args.top_entropy_quantile", "0.5"]),
     "gumbel_topk": ("gumbel_topk_tiny.yaml", []),
 }
 
@@ -103,3 +112,6 @@ def test_two_processes_train_the_same_weights_on_disjoint_prompts(method, tmp_pa
         for step in range(STEPS):
             both = ranks[0]["tokens"][step] + ranks[1]["tokens"][step]
             assert ranks[0]["num_items"][step] == ranks[1]["num_items"][step] == both / 2
+    if method == "intuitor":  # each micro-batch's entropy threshold came from both ranks' completion tokens
+        assert ranks[0]["pooled"] and ranks[0]["pooled"] == ranks[1]["pooled"]
+        assert ranks[0]["pooled"] == [a + b for a, b in zip(ranks[0]["tokens"], ranks[1]["tokens"], strict=True)]

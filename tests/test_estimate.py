@@ -76,6 +76,12 @@ def _measure(method: RefCachedGRPO, data: PromptDataModule, root: Path, steps: i
             {"callbacks": [ActivationCheckpointing()]},
             id="lora-checkpointing-micro-batches",  # bf16-mixed is in bench/bench_estimate.py (slow on CPU)
         ),
+        pytest.param(  # the loss options add only [B, T] tensors: no special case in the estimator
+            {"loss_type": "cispo", "epsilon_high": 5.0, "importance_sampling_level": "sequence",
+             "top_entropy_quantile": 0.2, "entropy_coef": 0.01, "micro_batch_size": 3},
+            {},
+            id="cispo-gspo-entropy-options",
+        ),
     ],
 )
 @pytest.mark.slow  # two real training steps under the memory profiler

@@ -1,7 +1,8 @@
 """RefCachedGRPO: GRPO whose reference log-probs are computed once per rollout batch and cached.
 
-The step follows DeepSeekMath's GRPO (arXiv 2402.03300) with the loss variants of Dr. GRPO and
-DAPO (see :mod:`lit_rl.losses`). How it differs from a textbook implementation, for memory:
+The step follows DeepSeekMath's GRPO (arXiv 2402.03300) with the loss variants TRL's ``GRPOConfig`` offers,
+under the same option names (Dr. GRPO, DAPO, CISPO, SAPO, GSPO, LUSPO, VESPO, two-sided clipping, entropy
+masking; see :mod:`lit_rl.losses` and the table in ``docs/methods.md``). How it differs from a textbook implementation, for memory:
 
 - The reference pass runs once per rollout batch, in eval mode without gradients, and keeps only
   the selected-token log-probs ``[B, C]`` (computed without full logits, see below). With LoRA the
@@ -24,7 +25,18 @@ from typing import Any, ClassVar, Literal
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lit_rl.losses import LOSS_TYPES, SCALE_REWARDS, frac_zero_std, group_advantages, grpo_loss, masked_mean
+from lit_rl.losses import (
+    GLOBAL_TOKEN_LOSS_TYPES,
+    POLICY_LOSS_OPTIONS,
+    SCALE_REWARDS,
+    check_loss_settings,
+    entropy_bonus,
+    frac_zero_std,
+    group_advantages,
+    grpo_loss,
+    high_entropy_mask,
+    masked_mean,
+)
 from lit_rl.memory.phases import BACKWARD, OPTIMIZER
 from lit_rl.memory.rollout import RolloutShape
 from lit_rl.methods.base import RLMethod
@@ -66,7 +78,8 @@ class RefCachedGRPO(RLMethod):
     **Phases**: ``rollout``, ``reference``, ``policy_forward``, ``backward``, ``optimizer``.
 
     **Logged Metrics**: ``reward/mean``, ``reward/std``, ``reward/<function>/mean``, ``kl/mean``,
-    ``clip_ratio/low_mean``, ``clip_ratio/high_mean``, ``clip_ratio/region_mean``, ``entropy/mean``,
+    ``clip_ratio/low_mean``, ``clip_ratio/high_mean``, ``clip_ratio/region_mean`` (clipped loss types),
+    ``cispo_clip_ratio`` (``cispo``), ``vespo/phi_seq_mean`` (``vespo``), ``entropy/mean``,
     ``completions/mean_length``, ``completions/clipped_ratio``, ``completions/distinct_bigrams``,
     ``frac_reward_zero_std``, ``loss``,
     ``prompts/truncated``, ``train/nonfinite_steps``, ``metric/<function>/mean``, ``time/<phase>_s``.
@@ -82,10 +95,28 @@ class RefCachedGRPO(RLMethod):
         temperature: sampling temperature; the log-probs are computed at the same temperature.
         top_p: nucleus sampling; 1.0 samples from the full distribution (what the ratio assumes).
         beta: KL coefficient. ``beta = 0`` skips the reference pass entirely (no reference memory or time).
-        epsilon_low: lower clip of the ratio.
-        epsilon_high: upper clip (DAPO's clip-higher uses 0.28).
-        loss_type: ``grpo``, ``bnpo``, ``dr_grpo`` or ``dapo``.
+        epsilon_low: lower clip of the ratio (TRL's ``epsilon``).
+        epsilon_high: upper clip (DAPO's clip-higher uses 0.28); under ``cispo`` the cap of the importance weight
+            itself, which must then be above 1 (ScaleRL uses 5.0).
+        loss_type: ``grpo``, ``bnpo``, ``dr_grpo``, ``dapo``, ``cispo``, ``sapo``, ``luspo`` or ``vespo``; each is
+            described, with its paper, in :func:`lit_rl.losses.grpo_loss`.
         scale_rewards: ``group``, ``batch`` or ``none`` (Dr. GRPO).
+        importance_sampling_level: ``token``, or ``sequence`` for GSPO's one ratio per completion (GSPO uses it
+            with ``epsilon_low: 3.0e-4``, ``epsilon_high: 4.0e-4``).
+        delta: two-sided clip (INTELLECT-2): the ratio of a negative-advantage token is capped at ``delta`` (> 1);
+            ``null`` is off.
+        sapo_temperature_pos, sapo_temperature_neg: SAPO's gate temperatures for positive and other advantages.
+        vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg: VESPO's gamma weight (exponent, decay) for
+            non-negative and negative advantages.
+        top_entropy_quantile: train on this share of each micro-batch's completion tokens, those of highest entropy
+            ("Beyond the 80/20 rule" uses 0.2); 1.0 keeps every token. The entropy comes from the same chunked pass
+            as the log-probs; under DDP the threshold is taken over every process's tokens.
+        entropy_coef: weight of an entropy bonus, the mean entropy of the trained tokens subtracted from the loss.
+        use_bias_correction_kl: multiply the KL term by the importance ratio (DeepSeek-V3.2): its gradient is then
+            the unbiased reverse-KL gradient. TRL 1.16 turns it on by default; here it is off, so that existing
+            configs train as before: set it to ``true`` to match a TRL run with ``beta > 0``.
+        off_policy_mask_threshold: with ``num_iterations > 1``, drop negative-advantage completions whose mean KL
+            to the sampling policy exceeds this (DeepSeek-V3.2); ``null`` is off.
         num_iterations: optimizer steps per rollout batch; above 1 the old log-probs are cached too.
         mask_truncated_completions: completions that hit ``max_new_tokens`` without EOS get no gradient.
         chunk_size: tokens per logits chunk in the token math; ``null`` picks it from a 64 MiB budget.
@@ -118,12 +149,24 @@ class RefCachedGRPO(RLMethod):
         beta: float = 0.04,
         epsilon_low: float = 0.2,
         epsilon_high: float = 0.2,
-        loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo",
+        loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"] = "dapo",
         scale_rewards: Literal["group", "batch", "none"] = "group",
         num_iterations: int = 1,
         mask_truncated_completions: bool = False,
         chunk_size: int | None = None,
         share_prompt: bool = True,
+        importance_sampling_level: Literal["token", "sequence"] = "token",
+        delta: float | None = None,
+        sapo_temperature_pos: float = 1.0,
+        sapo_temperature_neg: float = 1.05,
+        vespo_k_pos: float = 2.0,
+        vespo_lambda_pos: float = 3.0,
+        vespo_k_neg: float = 3.0,
+        vespo_lambda_neg: float = 2.0,
+        top_entropy_quantile: float = 1.0,
+        entropy_coef: float = 0.0,
+        use_bias_correction_kl: bool = False,
+        off_policy_mask_threshold: float | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -168,19 +211,13 @@ class RefCachedGRPO(RLMethod):
                 f"model.num_generations: must be >= 2 (a group needs two completions to compare), got "
                 f"{hp.num_generations}; set it to 2 or more"
             )
-        if hp.loss_type not in LOSS_TYPES:
-            raise ValueError(f"model.loss_type: {hp.loss_type!r} is not one of {LOSS_TYPES}; use one of them")
         if hp.scale_rewards not in SCALE_REWARDS:
             raise ValueError(
                 f"model.scale_rewards: {hp.scale_rewards!r} is not one of {SCALE_REWARDS}; use one of them"
             )
-        if hp.epsilon_high < hp.epsilon_low:
-            raise ValueError(
-                f"model.epsilon_high: {hp.epsilon_high} < model.epsilon_low ({hp.epsilon_low}); "
-                "clip-higher needs epsilon_high >= epsilon_low"
-            )
         if hp.beta < 0:
             raise ValueError(f"model.beta: must be >= 0, got {hp.beta}; use 0 to skip the reference pass")
+        check_loss_settings(hp, prefix="model.")
         for name in ("num_iterations", "max_new_tokens"):
             if hp[name] < 1:
                 raise ValueError(f"model.{name}: must be >= 1, got {hp[name]}; set it to 1 or more")
@@ -405,21 +442,27 @@ class RefCachedGRPO(RLMethod):
         hp = self.hparams
         stats = self._stats(self.policy, rollout, sl, entropy=True)
         mask = rollout.completion_mask[sl]  # [b, C]
+        token_mask = None
+        if hp.top_entropy_quantile < 1:
+            # one threshold for every process, as TRL takes it (a boolean index: real runs only, never the estimator)
+            pooled = self.gather_ragged(stats.entropy.detach()[mask.bool()]) if self.world_size > 1 else None
+            token_mask = high_entropy_mask(stats.entropy, mask, hp.top_entropy_quantile, pooled=pooled)  # [b, C]
         loss, loss_stats = grpo_loss(
             stats.logp,
             rollout.old_logp[sl] if rollout.old_logp is not None else None,
             rollout.ref_logp[sl] if rollout.ref_logp is not None else None,
             rollout.advantages[sl],
             mask,
-            loss_type=hp.loss_type,
-            epsilon_low=hp.epsilon_low,
-            epsilon_high=hp.epsilon_high,
-            beta=hp.beta,
             max_completion_length=hp.max_new_tokens,
             num_items_in_batch=num_items,
+            token_mask=token_mask,
+            **{name: hp[name] for name in POLICY_LOSS_OPTIONS},
         )
-        if hp.loss_type != "dapo":  # dapo already divides by the whole step's token count
-            loss = loss * (mask.shape[0] / len(rollout))
+        share = mask.shape[0] / len(rollout)  # this micro-batch's part of the rollout
+        if hp.loss_type not in GLOBAL_TOKEN_LOSS_TYPES:  # those already divide by the whole step's token count
+            loss = loss * share
+        if hp.entropy_coef > 0:  # a mean entropy per micro-batch, added up over the step like the loss
+            loss = loss - hp.entropy_coef * share * entropy_bonus(stats.entropy, mask, token_mask)
         loss_stats["entropy/mean"] = masked_mean(stats.entropy.detach(), mask).item()
         return loss, loss_stats
 

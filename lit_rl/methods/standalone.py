@@ -47,6 +47,20 @@ class StandaloneStep:
         """Sum over processes (DDP); the value itself in one process or without a Trainer."""
         return value if self._trainer is None else self.trainer.strategy.reduce(value, reduce_op="sum")
 
+    def gather_ragged(self, values: torch.Tensor) -> torch.Tensor:
+        """Every process's 1-D ``values`` (of unequal lengths) concatenated in rank order; ``values`` in one process.
+
+        Two collectives under DDP: the lengths, then the values padded to the longest.
+        """
+        if self.world_size == 1:
+            return values
+        lengths = self.all_gather(torch.tensor([values.numel()], device=values.device)).view(-1)  # [W]
+        longest = int(lengths.max())
+        padded = torch.zeros(longest, dtype=values.dtype, device=values.device)  # [longest]
+        padded[: values.numel()] = values
+        gathered = self.all_gather(padded).view(-1, longest)  # [W, longest]
+        return torch.cat([row[:n] for row, n in zip(gathered, lengths.tolist(), strict=True)])
+
     @property
     def world_size(self) -> int:
         return 1 if self._trainer is None else self.trainer.world_size
