@@ -1,14 +1,15 @@
 """GRPO's loss types on the default task: does the reward rise, and the held-out accuracy with it, under each.
 
 Runs ``configs/grpo.yaml`` (the README's first command: SmolLM2-135M-Instruct learning single-digit sums) once per
-setting, each in a fresh seeded process with the config's own 60 steps and held-out evaluations, changing only the
-options the setting names. On-policy (one optimizer step per rollout batch) the importance ratio is 1 and GSPO,
-CISPO and DAPO give the same gradient, so every setting here takes two optimizer steps per rollout batch
-(``num_iterations: 2``): the second step is off-policy, where the loss types differ (GSPO's one clipped ratio per
-completion, CISPO's capped and detached token weight, DAPO's clipped token ratio).
+setting, each in a fresh seeded process with the config's 60 optimizer steps, changing only the options the setting
+names. On-policy (one optimizer step per rollout batch) the importance ratio is 1 and GSPO, CISPO and DAPO give the
+same gradient, so every setting here takes two optimizer steps per rollout batch (``num_iterations: 2``): the
+second step is off-policy, where the loss types differ (GSPO's one clipped ratio per completion, CISPO's capped and
+detached token weight, DAPO's clipped token ratio). The 60 optimizer steps are then 30 rollout batches, with a
+held-out evaluation before the first and after every 10.
 
-From each run's TensorBoard scalars: the training reward over the first and last 10 steps (``reward/mean``, a
-mean over the step's 16 sampled completions), the greedy held-out accuracy at each evaluation
+From each run's TensorBoard scalars: the training reward over the first and last 10 rollout batches
+(``reward/mean``, a mean over the batch's 16 sampled completions), the greedy held-out accuracy at each evaluation
 (``val/correct_answer``, questions never trained on), the last step's KL to the reference and the clip statistics
 of the setting's loss. Wall times depend on the machine's load (printed); the seeded numbers do not.
 
@@ -39,7 +40,9 @@ from bench_gumbel_topk_vs_grpo import fit  # noqa: E402
 from bench_intuitor import git_commit  # noqa: E402
 from plot_run import read_scalar_events  # noqa: E402
 
-OFF_POLICY = ["--model.init_args.num_iterations", "2"]
+# two optimizer steps per rollout batch: the config's 60 optimizer steps are 30 rollout batches, so the held-out
+# evaluation runs every 10 batches (20 optimizer steps) to keep the config's four evaluations
+OFF_POLICY = ["--model.init_args.num_iterations", "2", "--trainer.val_check_interval", "10"]
 SETTINGS: dict[str, list[str]] = {
     "dapo": [*OFF_POLICY],  # the config's own loss: dapo, clip-higher 0.2 / 0.28
     # GSPO's clip range is about a thousand times narrower, as its ratio is a per-token geometric mean
@@ -63,7 +66,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", help="runs folder, a subfolder per setting (default runs/loss_types)")
     p.add_argument("--results", help="folder for loss_types.md (default bench/results)")
     p.add_argument("--reuse", action="store_true", help="read a setting already run in --out instead of rerunning")
-    p.add_argument("--threads", type=int, default=2, help="CPU threads per run (OMP_NUM_THREADS, default 2)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="CPU threads per run (OMP_NUM_THREADS; 1: on shared cores a second thread waits)",
+    )
     p.add_argument("--quick", action="store_true", help="tiny random model, 2 steps, temporary folders")
     args = p.parse_args(argv)
     unknown = [s for s in args.settings or [] if s not in SETTINGS]
@@ -117,14 +125,15 @@ def markdown(args: argparse.Namespace, argv: list[str], rows: dict[str, tuple[di
         f"{min(loads):.1f}-{max(loads):.1f} during the runs. Wall times depend on the machine's load; the seeded "
         "numbers do not.",
         "",
-        f"Each run: `python -m lit_rl fit --config {args.config} <overrides>`, the config's own steps and held-out "
-        "evaluations. Every setting takes two optimizer steps per rollout batch, so that the second is off-policy "
-        "and the loss types differ (on-policy their gradients are equal). Reward: `reward/mean`, per-step mean over "
-        f"the sampled completions, first and last {WINDOW} steps. Held-out: greedy accuracy on the config's held-out "
-        "questions (never trained on). KL and clip share: the last step's.",
+        f"Each run: `python -m lit_rl fit --config {args.config} <overrides>`, the config's own optimizer steps. "
+        "Every setting takes two optimizer steps per rollout batch, so that the second is off-policy and the loss "
+        "types differ (on-policy their gradients are equal), and evaluates every 10 rollout batches. Reward: "
+        f"`reward/mean`, a rollout batch's mean over its sampled completions, first and last {WINDOW} batches. "
+        "Held-out: greedy accuracy on the config's held-out questions (never trained on), after the number of "
+        "rollout batches in the header. KL and clip share: the last batch's.",
         "",
-        f"| setting | overrides | reward first {WINDOW} → last {WINDOW} | held-out accuracy (steps "
-        f"{', '.join(map(str, steps))}) | KL (last step) | clipped share (last step) | wall s |",
+        f"| setting | overrides | reward first {WINDOW} → last {WINDOW} batches | held-out accuracy (after batches "
+        f"{', '.join(map(str, steps))}) | KL (last batch) | clipped share (last batch) | wall s |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for name, (info, s) in rows.items():

@@ -106,7 +106,8 @@ CATALOGUE = [
     ("wrong type", ["--config", str(GRPO), "--data.init_args.batch_size", "x"],
      "data.batch_size: expected int, got 'x'; give a value of type int"),
     ("not a choice", ["--config", str(GRPO), "--model.init_args.loss_type", "ppo"],
-     "model.loss_type: 'ppo' is not one of 'grpo', 'bnpo', 'dr_grpo', 'dapo'; use one of them"),
+     "model.loss_type: 'ppo' is not one of 'grpo', 'bnpo', 'dr_grpo', 'dapo', 'cispo', 'sapo', 'luspo', 'vespo'; use one of "
+     "them"),
     ("num_generations 1", ["--config", str(GRPO), "--model.init_args.num_generations", "1"],
      "model.num_generations: must be >= 2 (a group needs two completions to compare), got 1; set it to 2 or more"),
     ("batch_size 0", ["--config", str(GRPO), "--data.init_args.batch_size", "0"],
