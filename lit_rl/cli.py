@@ -280,17 +280,30 @@ class _DropLightningNoise(logging.Filter):
                        for file, function in _LIGHTNING_NOISE)  # fmt: skip
 
 
-def quiet_lightning() -> None:
-    """Silence what Lightning prints on every run that is not about the run; its other lines and warnings stay.
+class _DropOptionalKernelNotice(logging.Filter):
+    """Drops bitsandbytes' notice that the optional ``kernels`` package is absent; its other records pass."""
 
-    - the accelerator banner and the litlogger and litmodels adverts: a filter on the logger ``rank_zero_info`` writes to;
+    def filter(self, record: logging.LogRecord) -> bool:  # noqa: D102
+        return not str(record.msg).startswith("Failed to load CPU gemm_4bit_forward from kernels-community")
+
+
+def quiet_lightning() -> None:
+    """Silence what the libraries print on every run that is not about the run; their other lines and warnings stay.
+
+    - Lightning's accelerator banner and the litlogger and litmodels adverts: a filter on the logger
+      ``rank_zero_info`` writes to;
     - the ``FutureWarning`` torch raises when Lightning's ``utilities/_pytree.py`` builds a ``LeafSpec``
-      (Lightning's own code, nothing a user can act on), matched by category and module as torch does itself.
+      (Lightning's own code, nothing a user can act on), matched by category and module as torch does itself;
+    - bitsandbytes' warning, on import (peft imports it for every LoRA run once it is installed), that the optional
+      ``kernels`` package with a faster CPU decode kernel is absent: lit-rl never uses that kernel.
     """
     logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
     if not any(isinstance(f, _DropLightningNoise) for f in logger.filters):
         logger.addFilter(_DropLightningNoise())
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"lightning\.pytorch\.utilities\._pytree")
+    bnb = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    if not any(isinstance(f, _DropOptionalKernelNotice) for f in bnb.filters):
+        bnb.addFilter(_DropOptionalKernelNotice())
 
 
 # ------------------------------------------------------------------------------------------------ subcommands

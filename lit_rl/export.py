@@ -5,7 +5,8 @@ optimizer state and the method's hyper-parameters; it is for resuming, not for u
 rebuilds the method from those hyper-parameters (the base weights come from ``name_or_path`` as in
 training; nothing else is downloaded), loads the checkpoint into it and writes:
 
-- **merged** (default): the policy with any LoRA adapters merged into the weights, as a plain
+- **merged** (default): the policy with any LoRA adapters merged into the weights (a 4-bit NF4 base is
+  decoded to the training dtype first, see :func:`lit_rl.models.quantize.dequantize_base`), as a plain
   ``...ForCausalLM`` folder (``config.json``, ``model.safetensors``, ``generation_config.json``) and the
   tokenizer: ``AutoModelForCausalLM.from_pretrained(DIR)``;
 - **adapter** (``--adapter``, LoRA runs only): the peft adapter folder (``adapter_config.json``,
@@ -24,6 +25,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 from lit_rl.cli_errors import OptionParser, check_checkpoint
+from lit_rl.models.quantize import dequantize_base
 
 
 def load_method(ckpt_path: str | Path):
@@ -67,7 +69,9 @@ def export(ckpt_path: str | Path, out: str | Path, *, adapter: bool = False) -> 
     if adapter and not method.uses_lora:
         raise ValueError("--adapter: this checkpoint trained every weight (no LoRA); export it without --adapter")
     if method.uses_lora and not adapter:
-        policy = policy.merge_and_unload()  # W + B @ A * alpha / r, a plain ...ForCausalLM
+        # a 4-bit base (model.quantize_base: nf4) is decoded first: the adapters were trained against the decoded
+        # weights, and a plain folder needs dense ones
+        policy = dequantize_base(policy).merge_and_unload()  # W + B @ A * alpha / r, a plain ...ForCausalLM
     out.mkdir(parents=True, exist_ok=True)
     policy.save_pretrained(out)
     method.tokenizer.save_pretrained(out)

@@ -6,27 +6,16 @@ a few exact byte counts that hold at any size are checked.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
+from bench_loader import load_bench
 
 pytestmark = [pytest.mark.bench, pytest.mark.slow]  # bench/bench_policy_update.py --quick, in this process
-
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "bench_policy_update.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_policy_update", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    try:
-        spec.loader.exec_module(module)
+    with load_bench("bench_policy_update.py") as module:
         yield module
-    finally:
-        sys.modules.pop(spec.name, None)
 
 
 def _table(text: str, heading: str) -> list[list[str]]:

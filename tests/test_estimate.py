@@ -76,6 +76,13 @@ def _measure(method: RefCachedGRPO, data: PromptDataModule, root: Path, steps: i
             {"callbacks": [ActivationCheckpointing()]},
             id="lora-checkpointing-micro-batches",  # bf16-mixed is in bench/bench_estimate.py (slow on CPU)
         ),
+        pytest.param(  # NF4 stand-in layers against bitsandbytes' real ones; the profiler does not see the forward's
+            # dense weight inside bitsandbytes' custom op (NF4StandIn's docstring), one [64, 32] fp32 layer here
+            {"lora": LoraSettings(r=4, alpha=8), "quantize_base": "nf4", "micro_batch_size": 3},
+            {"callbacks": [ActivationCheckpointing()]},
+            id="qlora-nf4-checkpointing-micro-batches",
+            marks=pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="needs bitsandbytes"),
+        ),
         pytest.param(  # the loss options add only [B, T] tensors: no special case in the estimator
             {"loss_type": "cispo", "epsilon_high": 5.0, "importance_sampling_level": "sequence",
              "top_entropy_quantile": 0.2, "entropy_coef": 0.01, "micro_batch_size": 3},

@@ -14,6 +14,7 @@ from lit_rl.memory.fake import GenerateRecord, dtype_name
 from lit_rl.memory.report import Component
 from lit_rl.memory.units import format_bytes
 from lit_rl.models import lm_head
+from lit_rl.models.quantize import is_nf4, is_nf4_stand_in, nf4_memory
 
 
 def _param_bytes(params) -> int:
@@ -23,13 +24,18 @@ def _param_bytes(params) -> int:
 def component_table(method, run, record: GenerateRecord, config, settings: dict[str, Any]) -> list[Component]:
     """The component table: generic lines for every method, then the method's own (``memory_components``)."""
     policy = method.policy
-    params = list(policy.parameters())
+    codes = {id(m.weight) for m in policy.modules() if is_nf4(m) or is_nf4_stand_in(m)}  # counted in the NF4 row
+    params = [p for p in policy.parameters() if id(p) not in codes]
     trainable = [p for p in params if p.requires_grad]
     dtype = dtype_name(params[0].dtype)
     n_total, n_train = sum(p.numel() for p in params), sum(p.numel() for p in trainable)
     train_dtype = dtype_name(trainable[0].dtype) if trainable else dtype
     tied = "tied input/output embedding counted once" if getattr(config, "tie_word_embeddings", False) else ""
     rows = [Component("parameters (policy)", f"{n_total:,} x {dtype}", _param_bytes(params), tied)]
+    n_nf4, nf4_bytes, largest = nf4_memory(policy)
+    if n_nf4:
+        rows.append(Component("base weights (NF4)", f"{n_nf4:,} x nf4", nf4_bytes,
+                              f"{nf4_bytes / n_nf4:.3f} bytes/param with scales"))  # fmt: skip
     if method.reference is not None:
         rows.append(
             Component("reference weights", "frozen copy of the policy", _param_bytes(method.reference.parameters()))
@@ -41,9 +47,12 @@ def component_table(method, run, record: GenerateRecord, config, settings: dict[
     for name in method.frozen_modules:
         module = getattr(method, name, None)
         if name != "reference" and isinstance(module, torch.nn.Module):
-            n = sum(p.numel() for p in module.parameters())
-            rows.append(Component(f"{name} weights (frozen)", f"{n:,} x {dtype_name(next(module.parameters()).dtype)}",
-                                  _param_bytes(module.parameters())))  # fmt: skip
+            n_q, q_bytes, _ = nf4_memory(module)
+            own = {id(m.weight) for m in module.modules() if is_nf4(m) or is_nf4_stand_in(m)}
+            rest = [p for p in module.parameters() if id(p) not in own]
+            shape = f"{sum(p.numel() for p in rest):,} x {dtype_name(rest[0].dtype)}"
+            shape += f" + {n_q:,} x nf4" if n_q else ""
+            rows.append(Component(f"{name} weights (frozen)", shape, _param_bytes(rest) + q_bytes))
     rows.append(Component("gradients", f"{n_train:,} trainable x {train_dtype}", _param_bytes(trainable)))
     rows.append(
         Component(
@@ -74,6 +83,10 @@ def component_table(method, run, record: GenerateRecord, config, settings: dict[
         hidden=hidden,
     )
     rows += [Component(*row) for row in method.memory_components(shape)]
+    if largest is not None:
+        out_f, in_f, compute = largest
+        rows.append(Component("NF4 dequantization temporary", f"[{out_f}, {in_f}] {dtype_name(compute)}",
+                              out_f * in_f * compute.itemsize, "largest layer, one at a time (forward, backward)"))  # fmt: skip
     seq = settings["sequence_length"]
     note = f"{format_bytes(run.saved_activations / max(layers, 1))} per layer" if layers else ""
     if settings["activation_checkpointing"]:

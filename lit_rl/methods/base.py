@@ -27,7 +27,7 @@ import copy
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import lightning as L
 import torch
@@ -41,6 +41,7 @@ from lit_rl.methods.evaluation import EvalSettings, HeldOutEvaluation
 from lit_rl.methods.rng import rng_states, set_rng_states
 from lit_rl.methods.standalone import StandaloneStep
 from lit_rl.models import LoraSettings, load_causal_lm, load_tokenizer
+from lit_rl.models.quantize import check_quantize_base, nf4_memory
 
 
 class RLMethod(HeldOutEvaluation, StandaloneStep, L.LightningModule):
@@ -118,6 +119,11 @@ class RLMethod(HeldOutEvaluation, StandaloneStep, L.LightningModule):
         trust_remote_code: run model code shipped with a hub checkpoint.
         lora: LoRA settings; ``null`` trains every weight and keeps a frozen copy as the reference
             (twice the weight memory), LoRA reuses the base weights as the reference (no copy).
+        quantize_base: ``nf4`` (QLoRA, needs ``lora``): the frozen base's trunk linears in 4-bit NF4, about 0.52
+            instead of 2 bytes per weight in bf16, also a reward model's trunk; the reference is still the base
+            with adapters disabled. Cost: each quantized layer decodes its dense weight per forward and backward
+            (a temporary the size of the largest layer), and the policy and reference are the quantized model.
+            See :mod:`lit_rl.models.quantize`.
         disable_dropout: set every dropout probability of the policy to 0 (as TRL does), so two passes over
             the same tokens give the same log-probs; with dropout the ratio and the KL carry its noise.
         learning_rate: AdamW learning rate.
@@ -146,6 +152,7 @@ class RLMethod(HeldOutEvaluation, StandaloneStep, L.LightningModule):
         dtype: str = "float32",
         trust_remote_code: bool = False,
         lora: LoraSettings | None = None,
+        quantize_base: Literal["none", "nf4"] = "none",
         disable_dropout: bool = True,
         learning_rate: float = 1e-6,
         weight_decay: float = 0.0,
@@ -159,6 +166,7 @@ class RLMethod(HeldOutEvaluation, StandaloneStep, L.LightningModule):
         self.save_hyperparameters()  # collects the arguments of every __init__ in the chain
         if isinstance(lora, dict):  # hparams saved in a checkpoint hold the dataclass as a dict
             lora = LoraSettings(**lora)
+        check_quantize_base(quantize_base, lora=lora is not None)  # at construction, not when the model loads
         if micro_batch_size is not None and micro_batch_size < 1:
             raise ValueError(
                 f"model.micro_batch_size: must be >= 1 or null, got {micro_batch_size}; use null for the whole batch"
@@ -176,7 +184,7 @@ class RLMethod(HeldOutEvaluation, StandaloneStep, L.LightningModule):
         self.name_or_path = name_or_path
         self._model_kwargs = dict(
             gguf_file=gguf_file, dtype=dtype, trust_remote_code=trust_remote_code, lora=lora,
-            disable_dropout=disable_dropout,
+            disable_dropout=disable_dropout, quantize_base=quantize_base,
         )  # fmt: skip
         self.metric_names, self.metric_fns = self.resolve_functions(metric_funcs or [], "model.metric_funcs")
         self._nonfinite_in_a_row = 0
@@ -241,7 +249,8 @@ class RLMethod(HeldOutEvaluation, StandaloneStep, L.LightningModule):
         self.policy.config.use_cache = True
         self.policy.train()  # from_pretrained returns eval mode; generation switches to eval itself
         trainable = sum(p.numel() for p in self.policy.parameters() if p.requires_grad)
-        total = sum(p.numel() for p in self.policy.parameters())
+        total = sum(p.numel() for p in self.policy.parameters() if p.dtype != torch.uint8)  # NF4 codes: 2 per byte
+        total += nf4_memory(self.policy)[0]
         rank_zero_info(f"policy {self.name_or_path}: {total / 1e6:.1f}M parameters, {trainable / 1e6:.2f}M trainable")
         if self.needs_reference and not self.uses_lora:
             self.reference = self.frozen_copy()

@@ -103,7 +103,8 @@ class GumbelTopK(RLMethod):
         differentiable_stop: read the reward where each completion stops through its EOS weights, so the
             gradient also says whether stopping earlier or later would score better (see :meth:`score`);
             ``false``: the score at the hard stop only, and stopping gets no gradient. Same forward value.
-        **kwargs: model, optimizer, micro-batch and metric settings, see :class:`~lit_rl.methods.base.RLMethod`.
+        **kwargs: model, optimizer, micro-batch and metric settings, see :class:`~lit_rl.methods.base.RLMethod`;
+            ``quantize_base: nf4`` quantizes the reward model's trunk as well as the policy's base.
 
     Raises:
         ValueError: at construction, for settings that cannot work (named in the message).
@@ -190,6 +191,7 @@ class GumbelTopK(RLMethod):
             policy_tokenizer=self.tokenizer,
             vocab_size=vocab,
             head_file=shipped_head_file() if source == EMBEDDED_REWARD else None,
+            quantize_base=self.hparams.quantize_base,  # its trunk in NF4 too; its score head stays as loaded
         )
 
     def tau_at(self, step: int) -> float:

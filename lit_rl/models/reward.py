@@ -32,6 +32,7 @@ from lit_rl.models.loading import (
     resolve_dtype,
     resolve_source,
 )
+from lit_rl.models.quantize import check_quantize_base, nf4_stand_in, quantize_base_nf4
 
 # attribute names of the classification head on the last hidden state, in the order they are tried
 HEAD_NAMES = ("score", "classifier", "classification_head", "v_head")
@@ -46,6 +47,7 @@ def load_reward_model(
     trust_remote_code: bool = False,
     vocab_size: int | None = None,
     head_file: str | None = None,
+    quantize_base: str = "none",
 ):
     """A frozen ``...ForSequenceClassification`` with one label and a ``forward_soft_sparse`` method.
 
@@ -63,11 +65,14 @@ def load_reward_model(
         head_file: a ``.safetensors`` file with the classification head's weights (``score.weight [1, H]``) for a
             checkpoint that has no head of its own: the built-in reward model is the embedded causal LM's trunk
             plus a head shipped inside lit-rl. The file's head replaces any head in the checkpoint.
+        quantize_base: ``nf4``: the trunk's linear layers in 4 bits (:mod:`lit_rl.models.quantize`), the head and
+            embeddings as loaded; the parity check runs on the quantized model. ``none``: as loaded.
 
     Raises:
         ValueError: a head that was not in the checkpoint, ``num_labels != 1``, a vocabulary other
             than the policy's, or an architecture whose score ``forward_soft_sparse`` cannot reproduce.
     """
+    check_quantize_base(quantize_base, lora=True)  # frozen whole: no adapters needed
     if dtype not in DTYPES:
         raise ValueError(f"reward_model.dtype: {dtype!r} is not one of {sorted(DTYPES)}")
     torch_dtype = DTYPES[dtype]
@@ -78,6 +83,8 @@ def load_reward_model(
         config = copy.deepcopy(config)
         config.num_labels = 1
         model = build_from_config(AutoModelForSequenceClassification, config, resolve_dtype(dtype, config))
+        if quantize_base == "nf4":
+            nf4_stand_in(model)
         freeze(model)
         model.forward_soft_sparse = types.MethodType(forward_soft_sparse, model)
         return model
@@ -105,6 +112,8 @@ def load_reward_model(
     if policy_tokenizer is not None:
         tokenizer = load_tokenizer(name_or_path, gguf_file=gguf_file, trust_remote_code=trust_remote_code)
         check_same_vocabulary(tokenizer, policy_tokenizer, reward_name=name_or_path)
+    if quantize_base == "nf4":
+        quantize_base_nf4(model)
     freeze(model)
     classification_head(model)  # refuse a model without a head we know, now rather than at the first step
     model.forward_soft_sparse = types.MethodType(forward_soft_sparse, model)
