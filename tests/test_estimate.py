@@ -84,8 +84,14 @@ def _measure(method: RefCachedGRPO, data: PromptDataModule, root: Path, steps: i
             marks=pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="needs bitsandbytes"),
         ),
         pytest.param(  # the loss options add only [B, T] tensors: no special case in the estimator
-            {"loss_type": "cispo", "epsilon_high": 5.0, "importance_sampling_level": "sequence",
-             "top_entropy_quantile": 0.2, "entropy_coef": 0.01, "micro_batch_size": 3},
+            {
+                "loss_type": "cispo",
+                "epsilon_high": 5.0,
+                "importance_sampling_level": "sequence",
+                "top_entropy_quantile": 0.2,
+                "entropy_coef": 0.01,
+                "micro_batch_size": 3,
+            },
             {},
             id="cispo-gspo-entropy-options",
         ),
