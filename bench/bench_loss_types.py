@@ -37,7 +37,7 @@ sys.path.insert(0, str(HERE))  # the sibling scripts this one reuses
 
 import torch  # noqa: E402
 from bench_gumbel_topk_vs_grpo import fit  # noqa: E402
-from bench_intuitor import git_commit  # noqa: E402
+from bench_intuitor import git_commit, mean, shown  # noqa: E402
 from plot_run import read_scalar_events  # noqa: E402
 
 # two optimizer steps per rollout batch: the config's 60 optimizer steps are 30 rollout batches, so the held-out
@@ -101,15 +101,6 @@ def summarize(run: Path) -> dict:
         "eval_steps": eval_steps,
         **{key: series[key][-1][1] for key in OPTIONAL if series.get(key)},
     }
-
-
-def mean(values: list[float]) -> float:
-    return sum(values) / len(values) if values else float("nan")
-
-
-def shown(overrides: list[str]) -> str:
-    pairs = zip(overrides[::2], overrides[1::2])
-    return ", ".join(f"`{k.split('.')[-1]}={v}`" for k, v in pairs) or "(none)"
 
 
 def markdown(args: argparse.Namespace, argv: list[str], rows: dict[str, tuple[dict, dict]]) -> str:

@@ -42,7 +42,6 @@ Run from the repository root, one thread per run (on shared cores a second torch
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
 import os
 import platform
@@ -60,9 +59,11 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))  # the sibling scripts this one reuses
 
 from bench_gumbel_topk_vs_grpo import fit, training_seconds  # noqa: E402
-from bench_intuitor import git_commit  # noqa: E402
+from bench_intuitor import git_commit, mean  # noqa: E402
+from bench_quantize import versions  # noqa: E402
 from plot_run import read_scalar_events  # noqa: E402
 
+VERSIONED = ("torch", "bitsandbytes", "peft", "transformers", "lightning")  # the packages the header names
 CONFIGS = {"lora": "configs/grpo_lora.yaml", "qlora": "configs/grpo_qlora.yaml"}
 # every fit on this machine: the CPU, and one base for both configs (grpo_lora.yaml names a hub model)
 CPU = ["--trainer.accelerator", "cpu", "--model.init_args.name_or_path", "embedded"]
@@ -283,20 +284,6 @@ def parse_estimate(text: str) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ report
-def mean(values: list[float]) -> float:
-    return sum(values) / len(values) if values else float("nan")
-
-
-def versions() -> str:
-    out = []
-    for dist in ("torch", "bitsandbytes", "peft", "transformers", "lightning"):
-        try:
-            out.append(f"{dist} {importlib.metadata.version(dist)}")
-        except importlib.metadata.PackageNotFoundError:
-            out.append(f"{dist} not installed")
-    return ", ".join(out)
-
-
 def _gib(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}"
 
@@ -461,7 +448,7 @@ def markdown(args: argparse.Namespace, argv: list[str], saved: dict) -> str:
         f"at commit {git_commit()}.  ",
         f"Machine: `{platform.platform()}`, {os.cpu_count()} CPU cores, {platform.machine()}, Python "
         f"{platform.python_version()}; {args.threads} CPU thread(s) per run (`OMP_NUM_THREADS`), torch sees "
-        f"{torch.get_num_threads()}; 1-minute load average {load} over the runs. Versions: {versions()}.  ",
+        f"{torch.get_num_threads()}; 1-minute load average {load} over the runs. Versions: {', '.join(f'{k} {v}' for k, v in versions(VERSIONED).items())}.  ",
         "Times depend on the machine and its load; bytes do not (and the seeded rewards repeat on one thread count).",
         "",
         "## 1. Learning: dense base vs NF4 base",

@@ -295,9 +295,10 @@ def measure(backend: Backend, dtype: torch.dtype, shape: tuple[int, int, int], r
 
 
 # ---------------------------------------------------------------------------------------------- report
-def versions() -> dict[str, str]:
+def versions(dists: tuple[str, ...] = ("torch", "bitsandbytes", "torchao", "peft", "transformers")) -> dict[str, str]:
+    """``{distribution: installed version or "not installed"}``."""
     out = {}
-    for dist in ("torch", "bitsandbytes", "torchao", "peft", "transformers"):
+    for dist in dists:
         try:
             out[dist] = importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:

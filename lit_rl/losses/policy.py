@@ -181,7 +181,9 @@ def grpo_loss(
         tau = torch.where(adv > 0, pos, neg)  # [B, 1], in logp's dtype (python floats would make it float32)
         per_token_loss = -torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau * adv  # [B, T] or [B, 1]
     elif loss_type == "vespo":
-        token_log_ratio = importance_log_weights(logp, old_logp, mask, "token")  # [B, T]
+        token_log_ratio = (  # VESPO weighs the product of the token ratios whatever the level
+            log_weights if importance_sampling_level == "token" else importance_log_weights(logp, old_logp, mask)
+        )  # [B, T]
         phi = vespo_weights(
             advantages, token_log_ratio, mask,
             k_pos=vespo_k_pos, lambda_pos=vespo_lambda_pos, k_neg=vespo_k_neg, lambda_neg=vespo_lambda_neg,

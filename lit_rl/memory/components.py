@@ -21,11 +21,16 @@ def _param_bytes(params) -> int:
     return sum(p.numel() * p.element_size() for p in params)
 
 
+def _dense_params(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The module's parameters other than NF4 codes (which :func:`nf4_memory` counts, scales included)."""
+    codes = {id(m.weight) for m in module.modules() if is_nf4(m) or is_nf4_stand_in(m)}
+    return [p for p in module.parameters() if id(p) not in codes]
+
+
 def component_table(method, run, record: GenerateRecord, config, settings: dict[str, Any]) -> list[Component]:
     """The component table: generic lines for every method, then the method's own (``memory_components``)."""
     policy = method.policy
-    codes = {id(m.weight) for m in policy.modules() if is_nf4(m) or is_nf4_stand_in(m)}  # counted in the NF4 row
-    params = [p for p in policy.parameters() if id(p) not in codes]
+    params = _dense_params(policy)  # the NF4 codes have a row of their own
     trainable = [p for p in params if p.requires_grad]
     dtype = dtype_name(params[0].dtype)
     n_total, n_train = sum(p.numel() for p in params), sum(p.numel() for p in trainable)
@@ -48,8 +53,7 @@ def component_table(method, run, record: GenerateRecord, config, settings: dict[
         module = getattr(method, name, None)
         if name != "reference" and isinstance(module, torch.nn.Module):
             n_q, q_bytes, _ = nf4_memory(module)
-            own = {id(m.weight) for m in module.modules() if is_nf4(m) or is_nf4_stand_in(m)}
-            rest = [p for p in module.parameters() if id(p) not in own]
+            rest = _dense_params(module)
             shape = f"{sum(p.numel() for p in rest):,} x {dtype_name(rest[0].dtype)}"
             shape += f" + {n_q:,} x nf4" if n_q else ""
             rows.append(Component(f"{name} weights (frozen)", shape, _param_bytes(rest) + q_bytes))
