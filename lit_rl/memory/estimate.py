@@ -156,7 +156,9 @@ def estimate_step(
             for group in optimizer.param_groups:
                 group["foreach"] = not group.get("fused")
         method.attach_optimizer(optimizer)
-        method.policy.generate = fake_generate(method.policy, record, padded=padded, full_decode=full_decode)
+        method.policy.generate = fake_generate(
+            method.policy, record, padded=padded, full_decode=full_decode, own_decode=method.own_decode
+        )
         run = _run_step(method, optimizer, batch_size, prompt_length, cast_dtype, autocast_dtype)
     shape = rollout_shape(method)  # what the method says it generates, whatever its options are called
     generations = shape.completions_per_prompt

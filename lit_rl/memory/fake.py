@@ -34,6 +34,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lit_rl.models import base_model
+from lit_rl.models.decode import preallocate
 
 # trainer.precision -> (weight dtype or None to keep the loaded one, autocast dtype or None)
 PRECISIONS: dict[str, tuple[torch.dtype | None, torch.dtype | None]] = {
@@ -175,8 +176,12 @@ class GenerateRecord:
     calls: int = 0
 
 
-def fake_generate(policy, record: GenerateRecord, *, padded: bool, full_decode: bool = False):
-    """A stand-in for ``policy.generate`` that allocates what sampling allocates and always runs to the limit."""
+def fake_generate(policy, record: GenerateRecord, *, padded: bool, full_decode: bool = False, own_decode: bool = False):
+    """A stand-in for ``policy.generate`` that allocates what sampling allocates and always runs to the limit.
+
+    With ``own_decode`` the cache is moved into preallocated buffers after the prefill, as
+    :func:`lit_rl.models.decode.decode` moves it (the rollout holds the whole completion's KV cache from then on).
+    """
 
     def generate(input_ids=None, attention_mask=None, generation_config=None, **kwargs):
         from transformers import DynamicCache
@@ -194,6 +199,10 @@ def fake_generate(policy, record: GenerateRecord, *, padded: bool, full_decode: 
         eos = torch.tensor([0])
         sequences = input_ids
         step_ids, step_positions = input_ids[:, cached:], position_ids[:, cached:]
+        # the decode loop's own bookkeeping: mask, positions and tokens for the longest sequence, held throughout
+        bookkeeping = [input_ids.new_empty((input_ids.shape[0], input_ids.shape[1] + max_new)) for _ in range(3)]
+        if not own_decode:
+            bookkeeping.clear()
         steps = list(range(max_new)) if full_decode or max_new <= 3 else [0, 1, max_new - 1]
         for i, step in enumerate(steps):
             skipped = step - steps[i - 1] - 1 if i else 0
@@ -225,6 +234,8 @@ def fake_generate(policy, record: GenerateRecord, *, padded: bool, full_decode: 
                 logits_to_keep=1,
                 return_dict=True,
             )
+            if own_decode and step == 0:
+                preallocate(cache, input_ids.shape[1] + max_new - 1)  # the last token is never fed back
             step_positions = position_ids[:, -1:] + 1  # [B, 1]
             position_ids = torch.cat([position_ids, step_positions], dim=-1)
             if mask is not None:
@@ -242,6 +253,7 @@ def fake_generate(policy, record: GenerateRecord, *, padded: bool, full_decode: 
             del out, logits, probs
         record.kv_cache_bytes, record.kv_cache_shape = cache_size(cache)
         record.calls += 1
+        del bookkeeping
         return sequences
 
     return generate

@@ -25,6 +25,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torchmetrics import MeanMetric
 from transformers import GenerationConfig
 
+from lit_rl.models.decode import decode, sampling_settings, weights_are_real
 from lit_rl.models.shared_prompt import shared_prefill
 
 
@@ -108,16 +109,26 @@ def sample_completions(
     *,
     repeats: int = 1,
     share_prompt: bool = False,
+    own_decode: bool = False,
     **config: Any,
 ) -> torch.Tensor:
-    """``policy.generate`` in eval mode with a fresh ``GenerationConfig(**config)``: ``[B * repeats, P + C]`` sequences.
+    """Complete each prompt ``repeats`` times in eval mode with a fresh ``GenerationConfig(**config)``:
+    ``[B * repeats, P + C]`` sequences.
 
-    A fresh config because checkpoint defaults (``top_k=50``, repetition penalties) would bias the samples. Each
-    prompt is sampled ``repeats`` times (rows ``i * repeats ...`` continue prompt ``i``); with ``share_prompt`` the
-    prompts' KV cache is computed once and repeated (:func:`lit_rl.models.shared_prompt.shared_prefill`), which
-    draws the same samples as repeating the prompts up to floating-point order.
+    A fresh config because checkpoint defaults (``top_k=50``, repetition penalties) would bias the samples. Rows
+    ``i * repeats ...`` continue prompt ``i``; with ``share_prompt`` the prompts' KV cache is computed once and
+    repeated (:func:`lit_rl.models.shared_prompt.shared_prefill`), which draws the same samples as repeating the
+    prompts up to floating-point order. With ``own_decode`` (decided per model at load time) the tokens come from
+    :func:`lit_rl.models.decode.decode`, the same tokens as ``policy.generate`` in fewer seconds; ``generate``
+    runs where a setting of the merged generation config is not one the loop implements, and on fake tensors
+    (where the estimator stands in for ``generate``).
     """
     config = GenerationConfig(pad_token_id=pad_id, eos_token_id=eos, use_cache=True, **config)
+    settings = None
+    if own_decode and weights_are_real(policy):
+        settings, reason = sampling_settings(policy, config)
+        if reason is not None:
+            _say_once(f"model.decode: transformers' generate for these completions, {reason}")
     was_training = policy.training
     policy.eval()
     try:
@@ -126,11 +137,22 @@ def sample_completions(
             cache = shared_prefill(policy, input_ids, attention_mask, repeats)
         input_ids = input_ids.repeat_interleave(repeats, dim=0)  # [B * repeats, P]
         attention_mask = attention_mask.repeat_interleave(repeats, dim=0)
+        if settings is not None:
+            return decode(policy, input_ids, attention_mask, eos=eos, pad_id=pad_id, cache=cache, **settings)
         return policy.generate(
             input_ids=input_ids, attention_mask=attention_mask, generation_config=config, past_key_values=cache
         )
     finally:
         policy.train(was_training)
+
+
+_said: set[str] = set()
+
+
+def _say_once(message: str) -> None:
+    if message not in _said:
+        _said.add(message)
+        rank_zero_info(message)
 
 
 class HeldOutEvaluation:
@@ -207,7 +229,8 @@ class HeldOutEvaluation:
             config.update(temperature=s.temperature, top_p=s.top_p, top_k=0)
         sequences = sample_completions(
             self.policy, input_ids, attention_mask, self.tokenizer.pad_token_id, eos,
-            repeats=n, share_prompt=getattr(self, "share_prompt", False), **config,
+            repeats=n, share_prompt=getattr(self, "share_prompt", False), own_decode=getattr(self, "own_decode", False),
+            **config,
         )  # [B*n, P + C]  # fmt: skip
         completion = sequences[:, input_ids.shape[1] :]  # [B*n, C]
         is_eos = torch.isin(completion, torch.tensor(eos, device=completion.device))  # [B*n, C]

@@ -244,7 +244,7 @@ class RefCachedGRPO(RLMethod):
         eos = self.eos_ids()
         sequences = sample_completions(
             self.policy, input_ids, attention_mask, self.tokenizer.pad_token_id, eos,
-            repeats=hp.num_generations, share_prompt=self.share_prompt,
+            repeats=hp.num_generations, share_prompt=self.share_prompt, own_decode=self.own_decode,
             do_sample=True, temperature=hp.temperature, top_p=hp.top_p, top_k=0,
             max_new_tokens=hp.max_new_tokens, min_new_tokens=hp.min_new_tokens,
         )  # [B*G, P + C]  # fmt: skip
