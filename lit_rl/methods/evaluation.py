@@ -270,7 +270,9 @@ class HeldOutEvaluation:
         store = self.__dict__.setdefault("_held_out_metrics", {})  # a plain dict: not a submodule, not in checkpoints
         key = f"{prefix}/{name}"
         if key not in store:
-            store[key] = MeanMetric().to(self.device)
+            # float32 sums whatever the default dtype: bf16-true sets bf16 inside validation_step, and 300 scores
+            # summed in bf16 reported a mean length above the length limit
+            store[key] = MeanMetric().set_dtype(torch.float32).to(self.device)
         return store[key]
 
     def log_evaluation(self, prefix: str) -> dict[str, float]:

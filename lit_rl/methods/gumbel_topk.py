@@ -311,8 +311,11 @@ class GumbelTopK(RLMethod):
             with torch.set_grad_enabled(t >= first_grad):
                 policy_logits = _at_least_float32(head.logits(hidden)) / hp.temperature  # [b, V] (the KL's)
                 logits = policy_logits.index_fill(-1, eos, float("-inf")) if t < hp.min_new_tokens else policy_logits
-                # the noise is drawn over the whole vocabulary, so top-k (k = V) and the legacy path see the same draw
-                u = torch.rand(logits.shape, device=logits.device).clamp_min(torch.finfo(torch.float32).tiny)  # [b, V]
+                # the noise is drawn over the whole vocabulary, so top-k (k = V) and the legacy path see the same draw;
+                # float32 whatever the default dtype (bf16-true sets bf16, whose few uniform values cap the noise
+                # near 5.5 and sharpen the samples)
+                u = torch.rand(logits.shape, device=logits.device, dtype=torch.float32)  # [b, V]
+                u = u.clamp_min(torch.finfo(torch.float32).tiny)
                 noise = -torch.log(-torch.log(u))  # [b, V] Gumbel(0, 1)
                 w, idx = gumbel_softmax_topk(logits, tau, hp.gumbel_topk, hard=hp.hard, noise=noise)  # [b, k] x2
                 del u, noise
