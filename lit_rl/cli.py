@@ -44,7 +44,8 @@ from lit_rl.methods.base import RLMethod
 
 
 class LitRLCLI(LightningCLI):
-    """LightningCLI with any :class:`RLMethod` as the model and any DataModule as the data (``class_path``).
+    """LightningCLI with any :class:`RLMethod` as the model and any DataModule as the data (``class_path``), saving
+    checkpoints with :class:`~lit_rl.callbacks.StreamingCheckpointIO` unless ``trainer.plugins`` says otherwise.
 
     Args:
         raise_parse_errors: raise jsonargparse's ``ArgumentError`` instead of printing the usage and
@@ -58,6 +59,12 @@ class LitRLCLI(LightningCLI):
         kwargs.setdefault("subclass_mode_data", True)
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
         kwargs.setdefault("auto_configure_optimizers", False)  # each method configures its own optimizer
+        # checkpoints streamed to disk, not built in memory first (lit_rl/callbacks/checkpoint_io.py says why here);
+        # unlike a callback in trainer_defaults this is a parser default: --print_config and the saved config show it
+        kwargs["trainer_defaults"] = {
+            "plugins": [{"class_path": "lit_rl.callbacks.StreamingCheckpointIO"}],
+            **(kwargs.get("trainer_defaults") or {}),
+        }
         super().__init__(RLMethod, L.LightningDataModule, *args, **kwargs)
 
     def init_parser(self, **kwargs: Any):

@@ -4,7 +4,6 @@ updates are skipped, then stop the run in one line while the last good checkpoin
 
 from __future__ import annotations
 
-import csv
 import os
 import signal
 import subprocess
@@ -14,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from csv_logs import logged
 from lightning.pytorch.callbacks import Callback
 
 from lit_rl.cli import main
@@ -76,16 +76,6 @@ def _run_config(tmp_path: Path, name: str, callbacks: list[dict]) -> list[str]:
     return ["--config", str(path)]
 
 
-def _logged(folder: Path, key: str) -> dict[int, float]:
-    """``{step: value}`` of one metric over every CSV log under ``folder`` (a resumed run writes a new version)."""
-    values = {}
-    for path in sorted(folder.rglob("metrics.csv")):
-        for row in csv.DictReader(path.open()):
-            if row.get(key):
-                values[int(row["step"])] = float(row[key])
-    return values
-
-
 def _weights(path: Path) -> dict[str, torch.Tensor]:
     return torch.load(path, weights_only=True)["state_dict"]
 
@@ -113,12 +103,12 @@ def test_a_killed_run_resumes_to_the_uninterrupted_result(method, tmp_path):
     assert all(torch.equal(whole[k], resumed[k]) for k in whole), "trainable weights differ after the resume"
     start = _weights(tmp_path / "whole" / "ckpt" / f"epoch=0-step={KILLED_AT}.ckpt")
     assert any(not torch.equal(start[k], whole[k]) for k in whole), "the steps after the kill changed the weights"
-    rewards = _logged(tmp_path / "whole", "reward/mean")
+    rewards = logged(tmp_path / "whole", "reward/mean")
     assert sorted(rewards) == list(range(STEPS)) and len(set(rewards.values())) > 1
-    assert _logged(tmp_path / "cut", "reward/mean") == rewards
+    assert logged(tmp_path / "cut", "reward/mean") == rewards
     if method == "gumbel_topk":
-        taus = _logged(tmp_path / "whole", "gumbel/tau")
-        assert len(set(taus.values())) == STEPS and _logged(tmp_path / "cut", "gumbel/tau") == taus
+        taus = logged(tmp_path / "whole", "gumbel/tau")
+        assert len(set(taus.values())) == STEPS and logged(tmp_path / "cut", "gumbel/tau") == taus
 
 
 def test_lora_checkpoints_hold_the_adapters_and_resume(tmp_path):
@@ -151,5 +141,5 @@ def test_non_finite_gradients_are_skipped_then_stop_the_run_and_keep_the_last_go
     assert all(torch.isfinite(v).all() for v in last["state_dict"].values())
     good = torch.load(tmp_path / "nan/ckpt/epoch=0-step=2.ckpt", weights_only=True)["state_dict"]
     assert all(torch.equal(good[k], v) for k, v in last["state_dict"].items())
-    skipped = _logged(tmp_path / "nan", "train/nonfinite_steps")
+    skipped = logged(tmp_path / "nan", "train/nonfinite_steps")
     assert skipped and max(skipped.values()) == 1.0  # the first skip was logged; the second stopped the run

@@ -21,8 +21,10 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lit_rl.callbacks.checkpoint_io import SaveMeter
 from lit_rl.memory.peaks import PhasePeaks, category_for, merge
 from lit_rl.memory.profile_report import phase_figure, summarize
+from lit_rl.memory.roofline import MEASURE, PhaseRoofline
 from lit_rl.memory.rss import probe_rss_source, read_peak_rss, reset_peak_rss
 from lit_rl.memory.step_prediction import StepPredictor, step_shape
 from lit_rl.memory.tracker import TensorMemoryTracker
@@ -72,7 +74,9 @@ class MemoryProfiler(Callback):
       ``temporaries`` those allocated in ``backward`` and ``optimizer`` that are neither gradients nor state
       (on the first step the optimizer state being created counts as ``temporaries`` until ``step()`` returns)
 
-    Only phases announced inside a training batch are measured (a validation rollout is not).
+    Only phases announced inside a training batch are measured (a validation rollout is not). Checkpoint saves, where
+    the IO announces them (``lit-rl``'s default does), are measured apart: ``memory/save/rss_peak_gib``,
+    ``memory/save/checkpoint_gib`` and ``time/save_s`` (:class:`~lit_rl.callbacks.checkpoint_io.SaveMeter`).
 
     Files, in ``trainer.log_dir``: ``memory_summary.json`` (per phase: max and mean over measured steps, the
     steady-state mean over steps after the first, where AdamW has its state; the mean prediction and the
@@ -93,6 +97,8 @@ class MemoryProfiler(Callback):
             seconds per distinct shape, cached) at that step's shapes, so ``memory/<phase>/predicted_gib`` is
             logged beside the measurement. Batches that are not prompt batches (no ``input_ids``) get the padded
             upper bound of ``lit-rl estimate`` instead.
+        rates: ``measure`` (a quick measurement after the steps), a file of ``bench/bench_roofline.py`` or null: the
+            rates of ``roofline`` in the summary, each phase's time beside its floor (:mod:`lit_rl.memory.roofline`).
 
     Raises:
         MisconfigurationException:
@@ -109,7 +115,12 @@ class MemoryProfiler(Callback):
     """
 
     def __init__(
-        self, every_n_steps: int = 1, cuda_snapshot_steps: int = 0, track_tensors: bool = True, predict: bool = True
+        self,
+        every_n_steps: int = 1,
+        cuda_snapshot_steps: int = 0,
+        track_tensors: bool = True,
+        predict: bool = True,
+        rates: str | None = MEASURE,
     ) -> None:
         if every_n_steps < 1:
             raise MisconfigurationException(f"MemoryProfiler(every_n_steps={every_n_steps}): use 1 or more.")
@@ -121,6 +132,7 @@ class MemoryProfiler(Callback):
         self.cuda_snapshot_steps = cuda_snapshot_steps
         self.track_tensors = track_tensors
         self.predict = predict
+        self._roofline = PhaseRoofline(rates)  # each phase's time beside its floor, in the summary
         self._records: list[dict[str, Any]] = []
         self._record: dict[str, Any] | None = None
         self._peaks = PhasePeaks(read=self._read_peaks, reset=self._reset_peaks)
@@ -137,6 +149,8 @@ class MemoryProfiler(Callback):
         self._snapshot_recording = False
         self._snapshot_steps_done = 0
         self._snapshot_path: str | None = None
+        self._save_meter: SaveMeter | None = None
+        self._saves: list[dict[str, Any]] = []  # checkpoint saves, measured outside the steps
 
     # ------------------------------------------------------------------------------------------ hooks
 
@@ -150,6 +164,7 @@ class MemoryProfiler(Callback):
                 "or remove the MemoryProfiler callback."
             )
         phases.add_listener(self)
+        phases.add_listener(self._roofline)
         self._phase_names = tuple(getattr(phases, "names", ()))
         self._device = trainer.strategy.root_device
         self._method = type(pl_module).__name__
@@ -161,6 +176,7 @@ class MemoryProfiler(Callback):
         else:
             self._mode = "rss"
         self._rss_source = self._probe_rss()
+        self._save_meter = self._save_meter or SaveMeter.attach(trainer, self._rss_source, self._saves)
         if self.cuda_snapshot_steps and self._device.type != "cuda":
             rank_zero_warn(
                 f"MemoryProfiler(cuda_snapshot_steps={self.cuda_snapshot_steps}) records CUDA allocator history, "
@@ -172,6 +188,10 @@ class MemoryProfiler(Callback):
         phases = getattr(pl_module, "phases", None)
         if phases is not None and hasattr(phases, "remove_listener"):
             phases.remove_listener(self)
+            phases.remove_listener(self._roofline)
+        if self._save_meter is not None:
+            self._save_meter.detach()
+            self._save_meter = None
         self._close_tracker()
 
     @override
@@ -206,6 +226,7 @@ class MemoryProfiler(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        self._roofline.record(trainer, pl_module, batch, tracked=self._record is not None and self._mode == "tracker")
         self._close_tracker()
         if self._record is not None:
             self._finish_record(trainer, pl_module, batch)
@@ -281,7 +302,9 @@ class MemoryProfiler(Callback):
             "prediction": "the step's own shapes" if self._predictor is not None else "fixed (predicted_memory)",
             **stats,
             "steps": records,
+            "saves": list(self._saves),
             "cuda_snapshot": self._snapshot_path,
+            "roofline": self._roofline.report(),
         }
 
     @property
@@ -430,6 +453,7 @@ class MemoryProfiler(Callback):
         charts["step"] = ["Multiline", [f"memory/step/{m}" for m in ("peak_gib", "rss_peak_gib", "predicted_gib")]]
         charts["breakdown at step peak"] = ["Multiline", [r"memory/breakdown/.*"]]
         charts["empty cache"] = ["Multiline", [r"memory/empty_cache/.*"]]
+        charts["checkpoint save"] = ["Multiline", ["memory/save/rss_peak_gib", "memory/save/checkpoint_gib"]]
         return {"memory": charts}
 
     def _write_summary(self, trainer: pl.Trainer, status: str) -> None:

@@ -22,6 +22,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lit_rl.callbacks.memory_profiler import MemoryProfiler
+from lit_rl.memory.roofline import summary_line
 from lit_rl.memory.rss import probe_rss_source, read_peak_rss
 from lit_rl.memory.units import GIB, format_bytes
 
@@ -37,8 +38,9 @@ class RunLog(Callback):
       so by default these lines are written when stderr is not one (a log file, a batch job).
     - **After each held-out evaluation**: its ``val/*`` scores.
     - **At the end** (and when the run fails): steps done, first and last training reward, first and last
-      held-out scores, the steady-state peak per phase when a MemoryProfiler ran, and every file written
-      (checkpoints with their sizes).
+      held-out scores, the steady-state peak per phase and each phase's median time beside its floor (the least time
+      the hardware needs for its FLOPs and bytes) when a MemoryProfiler ran, and every file written (checkpoints with
+      their sizes).
 
     **Logged Metrics**: none; it reads what the method and the other callbacks logged.
 
@@ -194,6 +196,8 @@ class RunLog(Callback):
                 peaks.append(text)
             if peaks:
                 lines.append(f"  peak GiB     {', '.join(peaks)}  (steady state, tensors)")
+            if summary.get("roofline"):  # each phase's time beside the least time the hardware needs for its work
+                lines.append(f"  time s       {summary_line(summary['roofline'])}")
         for label, path in _paths(trainer).items():
             lines.append(f"  {label:<12} {path}")
         checkpoints = sorted(Path(_checkpoint_dir(trainer) or "/nonexistent").glob("*.ckpt"))

@@ -1,0 +1,322 @@
+"""The roofline's FLOP and byte counts against an independent count, and the profiler's time-beside-floor summary.
+
+FLOPs are checked against ``torch.utils.flop_counter.FlopCounterMode`` on real forwards and backwards of tiny
+transformers models (eager attention, whose matmuls the counter sees; for the ``sdpa`` path, torch's own SDPA
+formula registered for the CPU kernel); bytes against the models' own parameters, KV caches and optimizer state.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict, replace
+
+import lightning as L
+import pytest
+import torch
+from torch.utils import flop_counter
+from torch.utils.flop_counter import FlopCounterMode
+from transformers import AutoModelForCausalLM, DynamicCache
+
+from lit_rl.callbacks import MemoryProfiler, RunLog
+from lit_rl.data import PromptDataModule
+from lit_rl.memory.machine_rates import best_of, load_rates, measure_rates, save_rates
+from lit_rl.memory.roofline import (
+    ModelShape,
+    PhaseRoofline,
+    StepSettings,
+    floor,
+    phase_table,
+    phase_work,
+    rerate,
+    summary_line,
+)
+from lit_rl.methods import RefCachedGRPO
+from lit_rl.models import lm_head, trunk
+from lit_rl.models.checkpointing import enable_activation_checkpointing
+from lit_rl.models.shared_prompt import shared_prompt_hidden
+from lit_rl.models.tiny import tiny_config
+from lit_rl.ops import selective_log_probs
+
+aten = torch.ops.aten
+
+
+def _model(arch: str = "llama", attention: str = "eager", **kw) -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = tiny_config(arch, vocab_size=96, hidden_size=64, num_layers=3, **kw)
+    return AutoModelForCausalLM.from_config(config, attn_implementation=attention)
+
+
+def _sdpa(query_shape, key_shape, value_shape, *args, **kwargs) -> int:
+    return flop_counter.sdpa_flop_count(query_shape, key_shape, value_shape)
+
+
+def _addmm_(self_shape, a_shape, b_shape, *args, **kwargs) -> int:
+    return flop_counter.addmm_flop(self_shape, a_shape, b_shape)
+
+
+# torch's own formulas for two kernels its counter leaves out: the CPU SDPA kernel (forward only) and the in-place
+# addmm_ that the chunked head's backward accumulates its gradients with
+MAPPING = {aten._scaled_dot_product_flash_attention_for_cpu: _sdpa, aten.addmm_: _addmm_}
+
+
+def _counted(fn) -> int:
+    """FLOPs of ``fn()`` as torch counts them."""
+    with FlopCounterMode(display=False, custom_mapping=MAPPING) as fc:
+        fn()
+    return fc.get_total_flops()
+
+
+def _settings(**kw) -> StepSettings:
+    base = dict(prompts=2, generations=1, prompt_length=9, new_tokens=1, share_prompt=False)
+    return StepSettings(**{**base, **kw})
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
+def test_prefill_and_decode_flops_equal_the_counted_flops(arch):
+    model = _model(arch).eval()
+    shape = ModelShape.from_config(model.config)
+    p = 9
+    ids = torch.randint(3, 96, (2, p))
+    work = phase_work(shape, _settings())["rollout"]  # the prefill of P - 1 tokens, then one decode step
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        prefill = _counted(lambda: trunk(model)(input_ids=ids[:, :-1], past_key_values=cache, use_cache=True))
+        decode = _counted(lambda: model(input_ids=ids[:, -1:], past_key_values=cache, use_cache=True))
+    assert (prefill, decode) == (work[0].flops, work[1].flops)
+    assert len(work) == 2 and work[1].decode and not work[0].decode
+
+
+def test_decode_bytes_are_the_weights_and_the_kv_cache():
+    for tied in (True, False):
+        model = _model("qwen2", tie_word_embeddings=tied).eval()
+        shape = ModelShape.from_config(model.config)
+        ids = torch.randint(3, 96, (2, 9))
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            model(input_ids=ids, past_key_values=cache, use_cache=True)  # what the decode step leaves: 9 keys a row
+        matrices = [p for p in model.parameters() if p.ndim == 2]  # tied: the embedding is the head, counted once
+        if not tied:  # an untied embedding is gathered a row at a time, never read whole
+            matrices.remove(model.get_input_embeddings().weight)
+        weights = sum(p.numel() * p.element_size() for p in matrices)
+        cached = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+        decode = phase_work(shape, _settings())["rollout"][1]  # reads the 9 keys per row, writes the newest
+        assert decode.bytes == weights + cached + cached // 9
+
+
+def test_shared_prompt_passes_count_u_prompts_and_b_completions():
+    model = _model(attention="sdpa").eval()
+    shape = ModelShape.from_config(model.config)
+    p, c, g = 6, 4, 3
+    prompts = torch.randint(3, 96, (2, p)).repeat_interleave(g, 0)
+    ids = torch.cat([prompts, torch.randint(3, 96, (2 * g, c))], 1)
+    mask = torch.ones_like(ids)
+    settings = StepSettings(prompts=2, generations=g, prompt_length=p, new_tokens=c, micro_batch=4, share_prompt=True)
+    reference = phase_work(shape, settings)["reference"]  # micro-batches of rows 0-3 and 4-5: runs [3, 1] and [2]
+    head = lm_head(model).weight
+    for part, (rows, runs) in zip(reference, ((slice(0, 4), [3, 1]), (slice(4, 6), [2])), strict=True):
+
+        def scoring(rows=rows, runs=runs):
+            hidden = shared_prompt_hidden(model, ids[rows], mask[rows], p, runs)  # [b, C, H]
+            selective_log_probs(hidden, head, ids[rows, p:])
+
+        with torch.no_grad():
+            assert _counted(scoring) == part.flops
+    plain = phase_work(shape, StepSettings(**{**settings.__dict__, "share_prompt": False}))["reference"]
+    assert sum(x.flops for x in plain) > sum(x.flops for x in reference)
+
+
+def _update_flops(model, ids: torch.Tensor, p: int) -> tuple[int, int]:
+    """Counted FLOPs of a scoring forward with gradients (trunk, chunked head) and of its backward."""
+    model.train()
+    head = lm_head(model).weight
+    outputs = {}
+
+    def forward():
+        hidden = trunk(model)(input_ids=ids).last_hidden_state[:, p - 1 : -1]
+        outputs["loss"] = selective_log_probs(hidden, head, ids[:, p:]).sum()
+
+    return _counted(forward), _counted(lambda: outputs["loss"].backward())
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_full_fine_tuning_update_flops_equal_the_counted_flops(checkpointing):
+    model = _model()
+    if checkpointing:
+        enable_activation_checkpointing(model, 1)
+    shape = ModelShape.from_config(model.config)
+    p, c = 7, 5
+    ids = torch.randint(3, 96, (2, p + c))
+    trainable = sum(x.numel() for x in model.parameters())
+    settings = _settings(prompt_length=p, new_tokens=c, trainable=trainable, checkpointed_layers=3 * checkpointing)
+    work = phase_work(shape, settings)
+    forward, backward = _update_flops(model, ids, p)
+    assert forward == work["policy_forward"][0].flops
+    assert backward == work["backward"][0].flops
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_lora_update_skips_the_frozen_weight_gradients(checkpointing):
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(_model(), LoraConfig(r=4, target_modules="all-linear", lora_dropout=0.0))
+    if checkpointing:
+        enable_activation_checkpointing(model, 1)
+    else:
+        model.enable_input_require_grads()  # as checkpointing does: the first layer's input gradient is computed too
+    shape = ModelShape.from_config(model.config)
+    adapters = sum(x.numel() for x in model.parameters() if x.requires_grad)
+    p, c = 7, 5
+    ids = torch.randint(3, 96, (2, p + c))
+    settings = _settings(prompt_length=p, new_tokens=c, adapters=adapters, trainable=adapters)
+    work = phase_work(shape, replace(settings, checkpointed_layers=3 * checkpointing))
+    forward, backward = _update_flops(model, ids, p)
+    assert forward == work["policy_forward"][0].flops
+    # the recomputation skips each layer's last adapter matmul (down projection's B: 2 * tokens * H * r), not counted
+    skipped = 3 * 2 * ids.numel() * 64 * 4 if checkpointing else 0
+    assert backward == work["backward"][0].flops - skipped
+    assert work["reference"][0].flops == forward - 2 * ids.numel() * adapters  # the reference runs without adapters
+
+
+def test_optimizer_bytes_are_adamw_state_gradients_and_parameters():
+    model = _model()
+    params = list(model.parameters())
+    for x in params:
+        x.grad = torch.ones_like(x)
+    optimizer = torch.optim.AdamW(params, fused=True)
+    optimizer.step()
+    state = sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values() if t.ndim)
+    values = sum(x.numel() * x.element_size() for x in params)
+    shape = ModelShape.from_config(model.config)
+    work = phase_work(shape, _settings(trainable=sum(x.numel() for x in params), clip=True))["optimizer"]
+    # AdamW: parameters read and written, gradients read, both moments read and written; then the gradient's finite
+    # check (a read) and clipping (a read for the norm, a read and a write to scale)
+    assert [w.flops for w in work] == [0]
+    assert work[0].bytes == 2 * values + values + 2 * state + 4 * values
+
+
+def test_floor_takes_the_larger_of_compute_and_memory_per_part():
+    works = phase_work(ModelShape(576, 1536, 30, 9, 3, 64, 49152), _settings(prompts=16, new_tokens=12))["rollout"]
+    assert len(works) == 13  # the prefill and 12 decode steps
+    f = floor(works, matmul=1e11, bandwidth=1e10, skinny=1e10)
+    assert f["floor_s"] == pytest.approx(sum(max(w.flops / 1e11, w.bytes / 1e10) for w in works))
+    assert max(f["compute_s"], f["memory_s"]) <= f["floor_s"] <= f["compute_s"] + f["memory_s"]
+    assert f["attainable_s"] >= f["floor_s"]  # the decode steps at the slower decode-shaped rate
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        ModelShape.from_config(type("Config", (), {"num_local_experts": 8})())
+
+
+def test_rates_round_trip_and_a_bad_file_names_the_command(tmp_path):
+    rates = measure_rates("cpu", ("float32",), quick=True)
+    assert rates["dtypes"]["float32"]["matmul_flops_per_s"] > 1e8 and rates["bandwidth_bytes_per_s"] > 1e8
+    assert load_rates(save_rates(rates, tmp_path / "rates.json")) == json.loads(json.dumps(rates))
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ValueError, match="bench_roofline.py --rates-only"):
+        load_rates(tmp_path / "bad.json")
+    with pytest.raises(ValueError, match="no such file"):
+        PhaseRoofline(str(tmp_path / "missing.json"))
+
+
+def _rates(scale: float) -> dict:
+    return {"device": "cpu", "bandwidth_bytes_per_s": 1e10 * scale, "details": {"copy_bytes_per_s": 1e10 * scale},
+            "dtypes": {"float32": {"matmul_flops_per_s": 1e11 * scale, "skinny_matmul_flops_per_s": 5e10 * scale}}}  # fmt: skip
+
+
+def test_rerate_puts_the_same_steps_beside_the_best_of_several_rates():
+    model = ModelShape(576, 1536, 30, 9, 3, 64, 49152)  # SmolLM2-135M
+    settings = StepSettings(prompts=2, generations=8, prompt_length=44, new_tokens=12, trainable=134_515_008)
+    names = ("rollout", "reference", "policy_forward", "backward", "optimizer")
+    times = {name: 1.0 for name in names}
+    report = {"rates": {"dtype": "float32"}, "model": asdict(model), "names": list(names),
+              "per_step": [{"step": 2, "times": times, "settings": asdict(settings)}]}  # fmt: skip
+    slow = rerate(report, _rates(1.0), "slow")
+    assert slow["phases"] == phase_table(model, [{"times": times, "settings": settings}], names, _rates(1.0), "float32")
+    best = best_of(_rates(1.0), _rates(2.0))  # a figure measured under load only ever reads low
+    assert best["bandwidth_bytes_per_s"] == 2e10 and best["dtypes"]["float32"]["matmul_flops_per_s"] == 2e11
+    fast = rerate(report, best, "best")
+    assert fast["rates"]["source"] == "best" and fast["rates"]["matmul_flops_per_s"] == 2e11
+    for name in names:  # the same FLOPs and bytes: twice the rates, half the floors
+        assert fast["phases"][name]["flops"] == slow["phases"][name]["flops"]
+        assert fast["phases"][name]["floor_s"] == pytest.approx(slow["phases"][name]["floor_s"] / 2)
+    assert slow["phases"]["optimizer"]["floor_s"] == pytest.approx(11 * 4 * 134_515_008 / 1e10)
+    with pytest.raises(ValueError, match="no bfloat16"):
+        rerate({**report, "rates": {"dtype": "bfloat16"}}, _rates(1.0), "slow")
+
+
+# ----------------------------------------------------------------------------------------------- the profiler
+
+
+def _fit(tmp_path, rates, caplog):
+    method = RefCachedGRPO(name_or_path="tiny:llama", num_generations=2, max_new_tokens=4)
+    data = PromptDataModule(num_prompts=64, batch_size=2, max_prompt_length=64, val_size=0)
+    profiler = MemoryProfiler(predict=False, track_tensors=False, rates=rates)
+    trainer = L.Trainer(
+        accelerator="cpu", max_steps=3, enable_progress_bar=False, enable_model_summary=False, logger=False,
+        enable_checkpointing=False, limit_val_batches=0, default_root_dir=tmp_path,
+        callbacks=[RunLog(progress="never"), profiler],
+    )  # fmt: skip
+    logger = logging.getLogger("lightning.pytorch")
+    logger.addHandler(caplog.handler)  # Lightning's logger does not propagate
+    try:
+        with caplog.at_level(logging.INFO):
+            trainer.fit(method, data)
+    finally:
+        logger.removeHandler(caplog.handler)
+    return method, json.loads((tmp_path / "memory_summary.json").read_text())["roofline"]
+
+
+@pytest.mark.slow  # three tiny fits
+def test_profiler_summary_puts_each_phase_time_beside_its_floor(tmp_path, caplog):
+    rates = {"device": "cpu", "bandwidth_bytes_per_s": 1e9,
+             "dtypes": {"float32": {"matmul_flops_per_s": 1e9, "skinny_matmul_flops_per_s": 5e8}}}  # fmt: skip
+    path = save_rates(rates, tmp_path / "rates.json")
+    method, roofline = _fit(tmp_path / "file", str(path), caplog)
+    assert roofline["rates"]["source"] == str(path) and roofline["steps"] == [2, 3]  # the first step warms up
+    phases = roofline["phases"]
+    assert list(phases) == ["rollout", "reference", "policy_forward", "backward", "optimizer"]
+    for name, entry in phases.items():
+        assert entry["measured_s"] > 0 and entry["floor_s"] > 0, name
+        assert entry["achieved"] == pytest.approx(entry["floor_s"] / entry["measured_s"])
+        assert entry["floor_s"] == pytest.approx(max(entry["flops"], entry["bytes"]) / 1e9, rel=0.5)
+    trainable = sum(p.numel() for p in method.policy.parameters())
+    assert phases["optimizer"]["bytes"] == 11 * 4 * trainable and phases["optimizer"]["bound"] == "memory"
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    line = next(ln for ln in text.splitlines() if ln.startswith("  time s "))
+    assert "rollout " in line and "(floor " in line and "optimizer " in line and str(path) in line
+    assert summary_line(roofline) in line
+    assert rerate(roofline, load_rates(path), str(path)) == roofline  # the saved steps are enough to redo the floors
+
+    # a quick measurement without a file; none at all with null; another device's rates are refused
+    _, measured = _fit(tmp_path / "measure", "measure", caplog)
+    assert measured["rates"]["source"].startswith("measured") and measured["phases"]["backward"]["floor_s"] > 0
+    _, off = _fit(tmp_path / "off", None, caplog)
+    assert off == {"skipped": "turned off (rates: null)"}
+    save_rates({**rates, "device": "cuda"}, path)
+    _, other = _fit(tmp_path / "cuda", str(path), caplog)
+    assert "cuda rates" in other["skipped"] and "trains on cpu" in other["skipped"]
+
+
+@pytest.mark.bench
+@pytest.mark.slow  # bench/bench_roofline.py --quick: two tiny fits in subprocesses
+def test_bench_quick_writes_both_tables_and_reuse_rebuilds_them(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "bench" / "bench_roofline.py"
+    done = subprocess.run([sys.executable, str(script), "--quick", "--results", str(tmp_path)], capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    text = (tmp_path / "roofline.md").read_text()
+    assert "load average" in text and "do not depend on the machine or its load" in text
+    assert text.count("| phase | measured s |") == 2
+    for phase in ("rollout", "reference", "policy_forward", "backward", "optimizer"):
+        assert text.count(f"| {phase} | ") == 2, phase
+    assert "checkpointed layers" in text and "LoRA (" in text and "full fine-tuning (" in text
+    rates = load_rates(tmp_path / "machine_rates.json")
+    assert set(rates["dtypes"]) == {"float32", "bfloat16"}
+    (tmp_path / "roofline.md").unlink()
+    again = subprocess.run([sys.executable, str(script), "--reuse", "--results", str(tmp_path)], capture_output=True,
+                           text=True, timeout=120)  # fmt: skip
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert (tmp_path / "roofline.md").read_text() == text
