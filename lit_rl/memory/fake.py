@@ -200,9 +200,8 @@ def fake_generate(policy, record: GenerateRecord, *, padded: bool, full_decode: 
         sequences = input_ids
         step_ids, step_positions = input_ids[:, cached:], position_ids[:, cached:]
         # the decode loop's own bookkeeping: mask, positions and tokens for the longest sequence, held throughout
-        bookkeeping = [input_ids.new_empty((input_ids.shape[0], input_ids.shape[1] + max_new)) for _ in range(3)]
-        if not own_decode:
-            bookkeeping.clear()
+        width = input_ids.shape[1] + max_new
+        bookkeeping = [input_ids.new_empty((input_ids.shape[0], width)) for _ in range(3 if own_decode else 0)]
         steps = list(range(max_new)) if full_decode or max_new <= 3 else [0, 1, max_new - 1]
         for i, step in enumerate(steps):
             skipped = step - steps[i - 1] - 1 if i else 0
