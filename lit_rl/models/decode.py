@@ -4,8 +4,9 @@ Why: ``transformers``' ``generate`` keeps its KV cache in a ``DynamicCache`` tha
 new token, in every layer, for keys and values: each step copies the whole cache once and allocates a fresh block
 for it, a cost that grows with the square of the completion length; around the forward it rebuilds the mask and
 positions by concatenation. Measured on this project's CPU rollout (``bench/results/decode.md``), those copies are
-a small part of a step: the matrix multiplies' weight reads bound it, so the loop is about as fast as ``generate``
-for short completions and gains with the length. It is also the place where a compiled one-token step and CUDA
+a small part of a step: the forward itself (its skinny matrix multiplies and a few hundred small kernels per token)
+takes the time, about three times its floor in ``bench/results/roofline.md``, so the loop is about as fast as
+``generate`` for short completions and gains with the length. It is also the place where a compiled one-token step and CUDA
 graphs would go, which need a cache whose buffers do not move.
 
 How :func:`decode` differs, and what it keeps:
