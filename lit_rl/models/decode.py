@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
+from transformers import DynamicCache, DynamicLayer, GenerationConfig
 
 from lit_rl.models.head import base_model
 
@@ -55,13 +56,7 @@ __all__ = [
 ]
 
 
-def _layer_class():
-    from transformers import DynamicLayer
-
-    return DynamicLayer
-
-
-class PreallocatedLayer(_layer_class()):
+class PreallocatedLayer(DynamicLayer):
     """One layer's keys and values in buffers of ``capacity`` positions; ``keys``/``values`` view the filled part.
 
     A ``DynamicLayer`` (so ``transformers`` treats it as an attention layer) whose ``update`` writes in place
@@ -109,8 +104,6 @@ class PreallocatedLayer(_layer_class()):
 
 
 def _plain_layers(cache) -> bool:
-    from transformers import DynamicLayer
-
     return all(type(layer) is DynamicLayer for layer in cache.layers)
 
 
@@ -238,8 +231,6 @@ def decode(
     with ``pad_id``. ``cache``: a ``DynamicCache`` holding the first ``P - 1`` or fewer prompt positions (a shared
     prefill), or ``None``. The model runs as it is (the caller sets eval mode).
     """
-    from transformers import DynamicCache
-
     b, p = input_ids.shape
     total = p + max_new_tokens
     device = input_ids.device
@@ -296,8 +287,6 @@ def decode_unsupported(model) -> str | None:
     Rules out caches that are not plain growing key/value layers, then completes two random prompts (one
     left-padded) greedily with both loops and compares the tokens.
     """
-    from transformers import DynamicCache, GenerationConfig
-
     hf = base_model(model)
     try:
         cache = DynamicCache(config=hf.config)
