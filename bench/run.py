@@ -14,7 +14,7 @@ Run from the repository root (about 30-40 minutes on 2 shared CPU cores; ``--qui
 
     python bench/run.py                      # writes bench/BENCHMARKS.md and bench/results/*.png
     python bench/run.py --quick              # tiny sizes, 1 round: a smoke test, written to a temporary folder
-    python bench/run.py --only sweeps,gpu    # some parts only
+    python bench/run.py --only sweeps,gpu    # some parts only; the file keeps the other parts' saved sections
 """
 
 from __future__ import annotations
@@ -201,6 +201,29 @@ def part_sweeps(args, folder: Path, gpu: bool = False) -> list[str]:
     ]
 
 
+def saved_sections(text: str, titles: dict[str, str]) -> dict[str, list[str]]:
+    """The lines of each part's section (its ``## `` heading up to the next one or the total) in a saved report.
+
+    A section saved before sections named their command gets the file's command (``Command: `...` ``) added to its
+    timing line, so that a kept section still says what produced it.
+    """
+    sections: dict[str, list[str]] = {}
+    by_title = {f"## {title}": part for part, title in titles.items()}
+    command = next((line.split("`")[1] for line in text.splitlines() if line.startswith("Command: `")), None)
+    current = None
+    for line in text.splitlines():
+        if line.startswith("## ") or line.startswith("Total:"):
+            current = by_title.get(line)
+            if current is not None:
+                sections[current] = []
+        if current is None:
+            continue
+        if line.startswith("_") and not line.startswith("_`") and command and len(sections[current]) == 2:
+            line = f"_`{command}`: {line[1:]}"
+        sections[current].append(line)
+    return sections
+
+
 def main(argv: list[str] | None = None) -> Path:
     args = parse_args(argv)
     out = args.out or (Path(tempfile.mkdtemp(prefix="lit-rl-bench-")) if args.quick else HERE)
@@ -215,8 +238,18 @@ def main(argv: list[str] | None = None) -> Path:
         "sweeps": "3. Vocabulary and length sweeps, measured and predicted (CPU)",
         "gpu": "4. The sweeps at Qwen2.5-0.5B shape, bf16, on CUDA",
     }
+    md = out / "BENCHMARKS.md"
+    kept = saved_sections(md.read_text(), titles) if md.exists() and args.only and not args.quick else {}
+    kept = {part: lines for part, lines in kept.items() if part not in args.parts}
+    if kept:
+        numbers = ", ".join(titles[part].split(".")[0] for part in kept)
+        text += [f"Sections {numbers} are kept from this file's earlier run (this command did not rerun them); each "
+                 "section names the command and load it was measured under.", ""]  # fmt: skip
     start = time.perf_counter()
-    for part in args.parts:
+    for part in PARTS:
+        if part not in args.parts:
+            text += kept.get(part, [])
+            continue
         log(f"bench: part {part}")
         before, t0 = os.getloadavg()[0], time.perf_counter()
         if part == "trl":
@@ -227,10 +260,9 @@ def main(argv: list[str] | None = None) -> Path:
             body = part_sweeps(args, out, gpu=part == "gpu")
         after = os.getloadavg()[0]
         text += [f"## {titles[part]}", "",
-                 f"_{time.perf_counter() - t0:.0f} s; load average (1 min) {before:.2f} before, {after:.2f} after._",
-                 "", *body, ""]  # fmt: skip
+                 f"_`{cmd.strip()}` on {time.strftime('%Y-%m-%d')}: {time.perf_counter() - t0:.0f} s; load average "
+                 f"(1 min) {before:.2f} before, {after:.2f} after._", "", *body, ""]  # fmt: skip
     text.append(f"Total: {time.perf_counter() - start:.0f} s.")
-    md = out / "BENCHMARKS.md"
     md.write_text("\n".join(text) + "\n")
     log(f"bench: wrote {md}")
     return md

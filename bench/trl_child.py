@@ -5,11 +5,12 @@ converted safetensors folder, float32), same prompts (``PromptDataModule``'s ari
 ``format_prompt``, so the chat template and the instruction are identical), 2 prompts x 4 generations per step,
 completions forced to ``--length`` tokens (``min_new_tokens`` in ``generation_kwargs``), beta, clipping, loss type and
 learning rate as ``bench/grpo_vs_trl.yaml``. One generation per optimizer step (``steps_per_generation = 1``,
-``num_iterations = 1``, no gradient accumulation), no vLLM, CPU, fp32, logging every step, no evaluation, no saving.
+``num_iterations = 1``, no gradient accumulation), no vLLM, CPU, fp32 (``--bf16``: bf16 mixed precision, float32
+weights under CPU autocast, as lit-rl's ``bf16-mixed``), logging every step, no evaluation, no saving.
 
 Writes ``--out``: ``{"step_s": [...], "peak_rss_bytes": int, "threads": int}`` (the same as ``step_timer.StepTimer``).
 
-    PYTHONPATH=.:bench python bench/trl_child.py --length 64 --steps 4 --out /tmp/trl.json [--lora] [--no-checkpointing]
+    PYTHONPATH=.:bench python bench/trl_child.py --length 64 --steps 4 --out /tmp/trl.json [--lora] [--no-checkpointing] [--bf16]
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", required=True, help="JSON file for the step times and the peak RSS")
     p.add_argument("--lora", action="store_true", help="LoRA r16, alpha 32, all-linear (else full fine-tuning)")
     p.add_argument("--no-checkpointing", action="store_true", help="gradient_checkpointing=False (TRL's default: on)")
+    p.add_argument("--bf16", action="store_true", help="bf16=True: bf16 mixed precision (float32 weights, autocast)")
     return p.parse_args(argv)
 
 
@@ -75,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
         config = GRPOConfig(
             output_dir=tmp,
             use_cpu=True,
-            bf16=False,
+            bf16=args.bf16,
             fp16=False,
             model_init_kwargs={"dtype": torch.float32},
             per_device_train_batch_size=8,  # completions: 2 prompts x 4 generations

@@ -7,6 +7,16 @@ Each run is a fresh subprocess doing ``steps`` optimizer steps: lit-rl through i
 ``wait4``, the whole process lifetime: imports, model load and every step) and the median step time over the steps
 after the first (the first pays one-time costs: optimizer state, lazy initialisation). Per side: the median over
 rounds. Both children get the same environment, allocator settings included.
+
+Precision is equal on both sides: float32, or bf16 mixed precision (lit-rl ``--trainer.precision bf16-mixed``, TRL
+``bf16=True``: float32 weights and optimizer, matmuls under CPU autocast in bfloat16).
+
+The roofline beside each row: the lit-rl child also runs :class:`lit_rl.callbacks.MemoryProfiler` with tensor
+accounting and predictions off (``track_tensors: false``, ``predict: false``, so its steps run at full speed) and
+the machine rates of ``bench/results/machine_rates.json`` (``python bench/bench_roofline.py --rates-only``); the
+step's floor is the sum of its phases' floors (:mod:`lit_rl.memory.roofline`: FLOPs and bytes of each phase at the
+measured matmul rate and bandwidth, in the run's compute dtype). Both sides do the same work, so the same floor
+divides each side's step time: the share of the hardware's limit each trainer reaches.
 """
 
 from __future__ import annotations
@@ -21,6 +31,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+RATES = "bench/results/machine_rates.json"
+PROFILER = ["--trainer.callbacks+", "lit_rl.callbacks.MemoryProfiler", "--trainer.callbacks+.track_tensors", "false",
+            "--trainer.callbacks+.predict", "false", "--trainer.callbacks+.rates", RATES]  # fmt: skip
 TARGETS = {"peak RSS": 0.5, "step time": 0.6}  # lit-rl / TRL at most this: the margins the suite was built to test
 
 
@@ -32,6 +45,7 @@ class Setup:
     length: int  # completion tokens, forced
     lora: bool
     checkpointing: bool
+    bf16: bool = False  # bf16 mixed precision on both sides, else float32
 
     def lit_rl_args(self) -> list[str]:
         args = ["--config", "bench/grpo_vs_trl.yaml"]
@@ -45,17 +59,22 @@ class Setup:
         ]
         if self.lora:  # LoraSettings' defaults: r 16, alpha 32, dropout 0, all-linear (TRL side: the same LoraConfig)
             args += ["--model.init_args.lora.r", "16"]
+        if self.bf16:
+            args += ["--trainer.precision", "bf16-mixed"]
         return args
 
     def trl_args(self) -> list[str]:
         return ["--length", str(self.length), *(["--lora"] if self.lora else []),
-                *([] if self.checkpointing else ["--no-checkpointing"])]  # fmt: skip
+                *([] if self.checkpointing else ["--no-checkpointing"]), *(["--bf16"] if self.bf16 else [])]  # fmt: skip
 
 
 SETUPS = (
     Setup("full FT, 64 tokens, checkpointed", 64, lora=False, checkpointing=True),
     Setup("LoRA, 256 tokens, checkpointed", 256, lora=True, checkpointing=True),
     Setup("LoRA, 256 tokens, no checkpointing", 256, lora=True, checkpointing=False),
+    Setup("full FT, 64 tokens, checkpointed, bf16", 64, lora=False, checkpointing=True, bf16=True),
+    Setup("LoRA, 256 tokens, checkpointed, bf16", 256, lora=True, checkpointing=True, bf16=True),
+    Setup("LoRA, 256 tokens, no checkpointing, bf16", 256, lora=True, checkpointing=False, bf16=True),
 )
 QUICK_SETUPS = (Setup("LoRA, 8 tokens, checkpointed", 8, lora=True, checkpointing=True),)
 
@@ -84,6 +103,7 @@ class Run:
     peak_rss_bytes: int
     wall_s: float
     load_before: float = 0.0
+    floor_s: float | None = None  # the step's roofline floor (lit-rl side), None where not known
 
     @property
     def step_time(self) -> float:
@@ -105,6 +125,16 @@ class Comparison:
 
     def step_time(self, side: str) -> float:
         return statistics.median(r.step_time for r in self.side(side))
+
+    def floor(self) -> float | None:
+        """The step's roofline floor: the median over the lit-rl runs that report one."""
+        floors = [r.floor_s for r in self.side("lit-rl") if r.floor_s]
+        return statistics.median(floors) if floors else None
+
+    def share(self, side: str) -> str:
+        """The floor over ``side``'s step time, as a percentage, or ``-`` without a floor."""
+        floor = self.floor()
+        return f"{100 * floor / self.step_time(side):.0f}%" if floor else "-"
 
     def ratios(self) -> dict[str, float]:
         return {"peak RSS": self.rss("lit-rl") / self.rss("TRL"),
@@ -131,7 +161,7 @@ def child_command(setup: Setup, side: str, steps: int, out: str, root_dir: str) 
     if side == "lit-rl":
         return [sys.executable, "-m", "lit_rl", "fit", *setup.lit_rl_args(), "--trainer.max_steps", str(steps),
                 "--trainer.default_root_dir", root_dir, "--trainer.callbacks+", "step_timer.StepTimer",
-                "--trainer.callbacks+.out", out]  # fmt: skip
+                "--trainer.callbacks+.out", out, *PROFILER]  # fmt: skip
     return [
         sys.executable,
         str(ROOT / "bench" / "trl_child.py"),
@@ -148,7 +178,7 @@ def shown_command(setup: Setup, side: str, steps: int) -> str:
     if side == "lit-rl":
         args = " ".join(setup.lit_rl_args())
         return (f"PYTHONPATH=.:bench python -m lit_rl fit {args} --trainer.max_steps {steps} "
-                "--trainer.callbacks+ step_timer.StepTimer --trainer.callbacks+.out steps.json")  # fmt: skip
+                f"--trainer.callbacks+ step_timer.StepTimer --trainer.callbacks+.out steps.json {' '.join(PROFILER)}")  # fmt: skip
     return f"PYTHONPATH=.:bench python bench/trl_child.py {' '.join(setup.trl_args())} --steps {steps} --out steps.json"
 
 
@@ -177,10 +207,21 @@ def run_child(setup: Setup, side: str, rnd: int, steps: int, log=print) -> Run:
             tail = (Path(tmp) / "log.txt").read_text()[-3000:]
             raise RuntimeError(f"{side} run of {setup.name!r} failed (exit {proc.returncode}):\n{tail}")
         record = json.loads(Path(out).read_text())
-    run = Run(side, setup.name, rnd, record["step_s"], usage.ru_maxrss * 1024, wall, load)
+        floor = step_floor(Path(tmp) / "runs") if side == "lit-rl" else None
+    run = Run(side, setup.name, rnd, record["step_s"], usage.ru_maxrss * 1024, wall, load, floor)
     log(f"  {setup.name} round {rnd + 1} {side}: peak RSS {run.peak_rss_bytes / 2**30:.2f} GiB, "
         f"step {run.step_time:.1f} s (steps {', '.join(f'{s:.1f}' for s in run.step_s)}), {wall:.0f} s wall")  # fmt: skip
     return run
+
+
+def step_floor(root: Path) -> float | None:
+    """The sum of the phase floors in the run's ``memory_summary.json`` (the MemoryProfiler's roofline), if any."""
+    found = sorted(root.rglob("memory_summary.json"))
+    if not found:
+        return None
+    roofline = json.loads(found[0].read_text()).get("roofline", {})
+    floors = [p["floor_s"] for p in roofline.get("phases", {}).values() if "floor_s" in p]
+    return sum(floors) or None
 
 
 def run(setups, rounds: int, steps: int, log=print) -> list[Comparison]:
@@ -197,15 +238,17 @@ def gib(b: float) -> str:
 def tables(comparisons: list[Comparison]) -> list[str]:
     lines = [
         "| configuration | lit-rl peak RSS GiB | TRL peak RSS GiB | ratio | target ≤ 0.5 | lit-rl s/step | TRL s/step "
-        "| ratio | target ≤ 0.6 |",
-        "| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | --- |",
+        "| ratio | target ≤ 0.6 | roofline floor s/step | floor / lit-rl step | floor / TRL step |",
+        "| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | --- | ---: | ---: | ---: |",
     ]
     for c in comparisons:
         r = c.ratios()
+        floor = c.floor()
         lines.append(
             f"| {c.setup.name} | {gib(c.rss('lit-rl'))} | {gib(c.rss('TRL'))} | {r['peak RSS']:.2f} "
             f"| {verdict(r['peak RSS'], TARGETS['peak RSS'])} | {c.step_time('lit-rl'):.1f} | {c.step_time('TRL'):.1f} "
-            f"| {r['step time']:.2f} | {verdict(r['step time'], TARGETS['step time'])} |"
+            f"| {r['step time']:.2f} | {verdict(r['step time'], TARGETS['step time'])} "
+            f"| {f'{floor:.1f}' if floor else '-'} | {c.share('lit-rl')} | {c.share('TRL')} |"
         )
     lines += ["", "Every run (in the order run):", "",
               "| configuration | round | side | peak RSS GiB | step times s | median after the first s | load before "

@@ -8,6 +8,7 @@ model is present; otherwise the file must say why it was not run.
 from __future__ import annotations
 
 import importlib.util
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -77,6 +78,49 @@ def test_the_two_sides_get_the_same_settings():
         assert ("--model.init_args.lora.r" in lit) == s.lora == ("--lora" in trl)
 
 
+def test_bf16_rows_set_the_same_precision_on_both_sides():
+    assert any(s.bf16 for s in vs_trl.SETUPS) and any(not s.bf16 for s in vs_trl.SETUPS)
+    for s in vs_trl.SETUPS:
+        lit, trl = s.lit_rl_args(), s.trl_args()
+        assert ("bf16-mixed" in lit) == s.bf16 == ("--bf16" in trl)
+        assert ("--trainer.precision" in lit) == s.bf16  # float32 rows keep the config's 32-true
+
+
+def test_the_roofline_floor_divides_both_sides(tmp_path):
+    setup = vs_trl.SETUPS[0]
+    c = vs_trl.Comparison(setup)
+    assert c.floor() is None
+    c.runs += [vs_trl.Run("lit-rl", setup.name, 0, [9.0, 4.0, 4.0], 2**30, 10.0, floor_s=1.0),
+               vs_trl.Run("TRL", setup.name, 0, [9.0, 8.0, 8.0], 2**30, 10.0),
+               vs_trl.Run("lit-rl", setup.name, 1, [9.0, 4.0, 4.0], 2**30, 10.0, floor_s=3.0)]  # fmt: skip
+    assert c.floor() == 2.0 and c.share("lit-rl") == "50%" and c.share("TRL") == "25%"
+    (row,) = [line for line in vs_trl.tables([c]) if line.startswith(f"| {setup.name} | 1.00")]
+    assert row.endswith("| 2.0 | 50% | 25% |")
+    # the floor of a run: the sum of the modelled phases' floors in the profiler's summary
+    summary = {"roofline": {"phases": {"rollout": {"floor_s": 0.5}, "reference": {"floor_s": 0.25},
+                                       "reward": {"measured_s": 0.1}}}}  # fmt: skip
+    (tmp_path / "version_0").mkdir()
+    (tmp_path / "version_0" / "memory_summary.json").write_text(json.dumps(summary))
+    assert vs_trl.step_floor(tmp_path) == 0.75
+    assert vs_trl.step_floor(tmp_path / "version_0" / "none") is None
+    skipped = {"roofline": {"skipped": "not modelled: a 4-bit base"}}
+    (tmp_path / "version_0" / "memory_summary.json").write_text(json.dumps(skipped))
+    assert vs_trl.step_floor(tmp_path) is None
+
+
+def test_a_partial_rerun_keeps_the_other_sections():
+    titles = {"trl": "1. A", "baselines": "2. B"}
+    saved = "\n".join(["# Benchmarks", "", "Command: `python bench/run.py --out bench`", "", "## 1. A", "",
+                       "_12 s; load average (1 min) 1.00 before, 2.00 after._", "", "old TRL table", "", "## 2. B", "",
+                       "_`python bench/run.py --only baselines` on 2026-01-01: 3 s; load ..._", "", "baselines text",
+                       "", "Total: 15 s."])  # fmt: skip
+    kept = bench_run.saved_sections(saved, titles)
+    assert kept["trl"][2] == "_`python bench/run.py --out bench`: 12 s; load average (1 min) 1.00 before, 2.00 after._"
+    assert kept["trl"][4] == "old TRL table" and kept["trl"][-1] == ""
+    assert kept["baselines"][2].startswith("_`python bench/run.py --only baselines` on 2026-01-01")
+    assert kept["baselines"][-2:] == ["baselines text", ""]  # the total is not part of a section
+
+
 def test_parts_are_checked():
     assert bench_run.parse_parts(None) == bench_run.PARTS
     assert bench_run.parse_parts("gpu, trl") == ("trl", "gpu")  # the suite's order
@@ -91,7 +135,7 @@ def test_parts_are_checked():
 def test_setups_are_picked_by_number():
     assert vs_trl.pick(vs_trl.SETUPS, None) == vs_trl.SETUPS
     assert vs_trl.pick(vs_trl.SETUPS, "3,1") == (vs_trl.SETUPS[0], vs_trl.SETUPS[2])
-    for bad in ("0", "4", "a", ","):
+    for bad in ("0", str(len(vs_trl.SETUPS) + 1), "a", ","):
         with pytest.raises(ValueError, match="--setups"):
             vs_trl.pick(vs_trl.SETUPS, bad)
     with pytest.raises(SystemExit):
