@@ -1,7 +1,11 @@
-"""Whether a step fits a device, and how much each memory tactic would save: the estimator run again per tactic."""
+"""Whether a step fits a device, and how much each memory tactic would save: the estimator run again per tactic.
+
+:func:`choose_checkpointing` finds the least activation checkpointing (the largest ``every_n_layers``) that fits.
+"""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from lit_rl.memory.estimate import Estimate, estimate_step
@@ -24,6 +28,77 @@ def estimate_savings(module, baseline: Estimate | None = None, **settings: Any) 
     """
     baseline = baseline or estimate_step(module, **settings)
     return {name: saved for name, (saved, _) in _tactic_estimates(module, baseline, settings).items()}
+
+
+def checkpointed_layers(num_layers: int, every_n_layers: int) -> int:
+    """How many of ``num_layers`` decoder layers ``every_n_layers`` checkpoints: transformers checkpoints the layers
+    whose index is a multiple of it (0, k, 2k, ...), so ``ceil(num_layers / k)``; 0 for ``every_n_layers = 0`` (off)."""
+    return math.ceil(num_layers / every_n_layers) if every_n_layers else 0
+
+
+def choose_checkpointing(module, device_bytes: int, baseline: Estimate | None = None, **settings: Any) -> int | None:
+    """The least activation checkpointing whose step fits in ``device_bytes``: an ``every_n_layers``, 0 or ``None``.
+
+    Checkpointing a layer trades its saved activations for one more forward of it in the backward, so the answer is
+    the largest ``every_n_layers`` (the fewest checkpointed layers, the least recompute) whose predicted step peak
+    (:func:`estimate_step` with ``activation_checkpointing=k``) is at most ``device_bytes``.
+
+    Convention: ``0`` when the step fits without checkpointing (``estimate_step``'s "off"); ``None`` when it does not
+    fit even with every layer checkpointed (``k = 1``); otherwise ``k >= 1``. Several ``k`` checkpoint the same number
+    of layers, ``ceil(L / k)`` (:func:`checkpointed_layers`); of those the smallest is returned, whose checkpointed
+    layers are spread evenly (15, not 29, for two of 30 layers: the recompute of a layer near the top then runs
+    while fewer activations below it are held).
+
+    The search assumes what the estimator shows (``tests/test_choose_checkpointing.py`` checks it): checkpointing
+    fewer layers never lowers the predicted peak. It is a binary search over the distinct layer counts (about
+    ``2 sqrt(L)`` of them), so an answer takes the estimate without checkpointing, the one with every layer and
+    about ``log2(2 sqrt(L))`` more (4 for 30 layers), each a run of the method's step on fake tensors.
+
+    Args:
+        module: as for :func:`estimate_step`.
+        device_bytes: the budget for the step's peak (tensor bytes; leave headroom on a GPU, see
+            :mod:`lit_rl.memory.estimate`).
+        baseline: an estimate already made at these ``settings`` (with or without checkpointing), reused.
+        **settings: the keyword arguments of :func:`estimate_step`; their ``activation_checkpointing`` is replaced.
+    """
+    return _choose_checkpointing(module, device_bytes, settings, _seed(baseline))[0]
+
+
+def _seed(baseline: Estimate | None) -> dict[int, Estimate]:
+    return {} if baseline is None else {baseline.settings["activation_checkpointing"]: baseline}
+
+
+def _choose_checkpointing(
+    module, device_bytes: int, settings: dict[str, Any], known: dict[int, Estimate]
+) -> tuple[int | None, dict[int, Estimate]]:
+    """:func:`choose_checkpointing` and every estimate it made (``known``: every_n_layers -> estimate, added to)."""
+
+    def fits(k: int) -> bool:
+        if k not in known:
+            known[k] = estimate_step(module, **{**settings, "activation_checkpointing": k})
+        return known[k].peak_bytes <= device_bytes
+
+    if fits(0):
+        return 0, known
+    if not fits(1):
+        return None, known
+    # per distinct layer count, fewest first, the smallest k giving it; k = 1 (every layer) last
+    layers = _layer_count(known[0].settings["config"])
+    counts = {checkpointed_layers(layers, k): k for k in range(layers, 0, -1)}
+    options = [counts[c] for c in sorted(counts)]
+    lo, hi = 0, len(options) - 1  # options[hi] fits (k = 1 does)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if fits(options[mid]):
+            hi = mid
+        else:
+            lo = mid + 1
+    return options[hi], known
+
+
+def _layer_count(config: Any) -> int:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return int(getattr(text, "num_hidden_layers", None) or getattr(text, "n_layer", None) or 1)
 
 
 def _tactic_estimates(module, baseline: Estimate, settings: dict[str, Any]) -> dict[str, tuple[int, Estimate]]:
@@ -55,7 +130,11 @@ def _tactics(baseline: Estimate) -> dict[str, dict[str, Any]]:
 def fit_report(
     module, estimate: Estimate, device_bytes: int, settings: dict[str, Any], tactics: bool = True
 ) -> tuple[bool, str]:
-    """Whether the step fits in ``device_bytes`` and, if not, which tactics help and by how much (text)."""
+    """Whether the step fits in ``device_bytes`` and, if not, which tactics help and by how much (text).
+
+    Activation checkpointing is proposed at the ``every_n_layers`` of :func:`choose_checkpointing` (every layer when
+    even that does not fit), with the share of layers it recomputes.
+    """
     peak = estimate.peak_bytes
     fits = peak <= device_bytes
     lines = [
@@ -68,6 +147,11 @@ def fit_report(
     if fits or not tactics:
         return fits, "\n".join(lines)
     results = _tactic_estimates(module, estimate, settings)
+    every = 1
+    if "activation_checkpointing" in results:  # the least checkpointing that fits, rather than every layer
+        known = {0: estimate, 1: results["activation_checkpointing"][1]}
+        every = _choose_checkpointing(module, device_bytes, settings, known)[0] or 1
+        results["activation_checkpointing"] = (estimate.peak_bytes - known[every].peak_bytes, known[every])
     if not results:
         lines.append("  every tactic the estimator knows is already on; use a smaller batch or shorter sequences")
         return fits, "\n".join(lines)
@@ -76,6 +160,8 @@ def fit_report(
     for name in order:
         saved, other = results[name]
         how = TACTICS[name].how.format(value=other.settings["micro_batch_size"])
+        if name == "activation_checkpointing":
+            how = _checkpointing_how(how, every, _layer_count(estimate.settings["config"]))
         if saved <= 0:
             lines.append(f"  - {name}: no saving, the peak stays in {other.peak_phase} ({how})")
             continue
@@ -86,7 +172,7 @@ def fit_report(
         )
     if any(other.peak_bytes <= device_bytes for _, other in results.values()):
         return fits, "\n".join(lines)
-    # no tactic is enough alone: add them up, largest saving first, until the step fits
+    # no tactic is enough alone (so checkpointing is at every layer): add them up, largest saving first, until it fits
     combined: dict[str, Any] = dict(settings)
     applied: list[str] = []
     for name in (n for n in order if results[n][0] > 0):
@@ -100,3 +186,14 @@ def fit_report(
         if together.peak_bytes <= device_bytes:
             break
     return fits, "\n".join(lines)
+
+
+def _checkpointing_how(how: str, every: int, layers: int) -> str:
+    """The fragment with ``every_n_layers`` (the fragment's last callback is the one it adds) and what it costs."""
+    if every > 1:
+        how += f" --trainer.callbacks.init_args.every_n_layers {every}"
+    n = checkpointed_layers(layers, every)
+    return (
+        f"{how} (recomputes {n} of {layers} layers, {n / layers:.0%}: about {n / layers:.2f} of a policy forward "
+        "more in each backward)"
+    )
