@@ -1,20 +1,25 @@
-"""Rollout decoding: lit-rl's decode loop against transformers' ``generate``, tokens per second on this machine.
+"""Rollout decoding: lit-rl's decode loop, eager and compiled, against transformers' ``generate``, on this machine.
 
-Both complete the same rollout of the embedded SmolLM2-135M-Instruct: ``--prompts`` arithmetic prompts (the
+All three complete the same rollout of the embedded SmolLM2-135M-Instruct: ``--prompts`` arithmetic prompts (the
 default task's chat-formatted prompts) x ``--generations`` completions each, the prompts' KV cache computed once
 and repeated (``share_prompt``, as the GRPO rollout does), sampled at temperature 1 with every completion forced
-to the full length (``min_new_tokens = max_new_tokens``), so both sides produce the same number of tokens. Each
-run starts from the same random state: the check column says whether the two produced the same tokens.
+to the full length (``min_new_tokens = max_new_tokens``), so every side produces the same number of tokens. Each
+run starts from the same random state; the check column says whether each loop produced ``generate``'s tokens,
+greedy (one untimed run per side and length) and sampled (the timed runs).
 
-The two sides alternate (``generate``, own, ``generate``, own, ...) so that load drift on a shared machine falls
-on both; the time is the best of ``--rounds``. Tokens per second = rows x new tokens / seconds (prefill
+The sides alternate (``generate``, own, compiled, ``generate``, ...) so that load drift on a shared machine falls
+on all; the time is the best of ``--rounds``. Tokens per second = rows x new tokens / seconds (prefill
 included). Seconds depend on the machine and its load; the tokens, and whether they are equal, do not.
 
-What differs is the KV cache: ``generate`` grows it by concatenation at every token, in every layer (a copy of
-the whole cache per token, which grows with the length), the loop writes into buffers allocated once
-(:mod:`lit_rl.models.decode`).
+What differs is the KV cache and the step: ``generate`` grows its cache by concatenation at every token, in every
+layer (a copy of the whole cache per token, which grows with the length), the own loop writes into buffers
+allocated once (:mod:`lit_rl.models.decode`), the compiled loop runs its one-token step through ``torch.compile``
+over a static cache (:mod:`lit_rl.models.compiled_decode`). The compiled side's first rollout of each length
+compiles its step: that rollout is untimed in the best-of, its compile seconds are a column of their own, and the
+first rollout's seconds (compile included) are beside them, with the number of rollouts after which compiling has
+paid for itself against the own loop.
 
-Run (about 15 minutes on 2 CPU cores; 1,024 new tokens take most of it)::
+Run (about 40 minutes on 2 CPU cores; 1,024 new tokens take most of it)::
 
     python bench/bench_decode.py                       # writes bench/results/decode.md
     python bench/bench_decode.py --lengths 16 --rounds 1 --out -   # a quick check, printed
@@ -39,7 +44,10 @@ from bench_quantize import versions  # noqa: E402
 from lit_rl.data import PromptDataModule  # noqa: E402
 from lit_rl.methods.evaluation import sample_completions  # noqa: E402
 from lit_rl.models import load_causal_lm, load_tokenizer  # noqa: E402
+from lit_rl.models.compiled_decode import compile_seconds, compile_unsupported  # noqa: E402
 from lit_rl.models.decode import decode_unsupported  # noqa: E402
+
+SIDES = {"generate": False, "own": "own", "compiled": "compiled"}  # side -> sample_completions' own_decode
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -62,13 +70,13 @@ def prompts(tokenizer, count: int) -> tuple[torch.Tensor, torch.Tensor]:
     return batch["input_ids"], batch["attention_mask"]
 
 
-def run(model, tokenizer, ids, mask, args, length: int, own: bool) -> tuple[float, torch.Tensor]:
+def run(model, tokenizer, ids, mask, args, length: int, side: str, sample: bool = True) -> tuple[float, torch.Tensor]:
     torch.manual_seed(1234)
+    settings = dict(do_sample=True, temperature=1.0, top_p=1.0, top_k=0) if sample else dict(do_sample=False)
     start = time.perf_counter()
     out = sample_completions(
         model, ids, mask, tokenizer.pad_token_id, [tokenizer.eos_token_id], repeats=args.generations,
-        share_prompt=True, own_decode=own, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
-        max_new_tokens=length, min_new_tokens=length,
+        share_prompt=True, own_decode=SIDES[side], max_new_tokens=length, min_new_tokens=length, **settings,
     )  # fmt: skip
     return time.perf_counter() - start, out
 
@@ -79,30 +87,43 @@ def main(argv: list[str] | None = None) -> str:
         torch.set_num_threads(args.threads)
     tokenizer = load_tokenizer("embedded")
     model = load_causal_lm("embedded", dtype=args.dtype)
-    reason = decode_unsupported(model)
+    reason = decode_unsupported(model) or compile_unsupported(model)
     if reason is not None:
-        raise SystemExit(f"the decode loop is off for the embedded model: {reason}")
+        raise SystemExit(f"the decode loop or its compiled step is off for the embedded model: {reason}")
     ids, mask = prompts(tokenizer, args.prompts)
     rows = args.prompts * args.generations
-    run(model, tokenizer, ids, mask, args, 4, own=False)  # warm both paths (first calls pick kernels)
-    run(model, tokenizer, ids, mask, args, 4, own=True)
+    run(model, tokenizer, ids, mask, args, 4, "generate")  # warm both eager paths (first calls pick kernels)
+    run(model, tokenizer, ids, mask, args, 4, "own")
     results = []
     for length in args.lengths:
-        times = {False: [], True: []}
+        # the compiled step's first rollout of this shape compiles it: timed on its own, never in the best-of
+        before = set(compile_seconds(model))
+        first, _ = run(model, tokenizer, ids, mask, args, length, "compiled")
+        compiled_s = sum(s for shape, s in compile_seconds(model).items() if shape not in before)
+        print(
+            f"{length} new tokens, compiled: first rollout {first:.1f} s, {compiled_s:.1f} s of it compiling",
+            flush=True,
+        )
+        greedy = {side: run(model, tokenizer, ids, mask, args, length, side, sample=False)[1] for side in SIDES}
+        times = {side: [] for side in SIDES}
         outs = {}
         loads = []
         for _ in range(args.rounds):
-            for own in (False, True):
+            for side in SIDES:
                 loads.append(os.getloadavg()[0])
-                seconds, outs[own] = run(model, tokenizer, ids, mask, args, length, own)
-                times[own].append(seconds)
-                print(f"{length} new tokens, {'own loop' if own else 'generate'}: {seconds:.1f} s", flush=True)
-        same = torch.equal(outs[False], outs[True])
-        results.append((length, min(times[False]), min(times[True]), same, sum(loads) / len(loads)))
+                seconds, outs[side] = run(model, tokenizer, ids, mask, args, length, side)
+                times[side].append(seconds)
+                print(f"{length} new tokens, {side}: {seconds:.1f} s", flush=True)
+        same = {
+            side: (torch.equal(greedy[side], greedy["generate"]), torch.equal(outs[side], outs["generate"]))
+            for side in ("own", "compiled")
+        }
+        best = {side: min(t) for side, t in times.items()}
+        results.append((length, best, compiled_s, first, same, sum(loads) / len(loads)))
         tokens = rows * length
-        print(f"  {tokens / min(times[False]):.1f} vs {tokens / min(times[True]):.1f} tokens/s, same tokens: {same}")
+        print("  tokens/s " + ", ".join(f"{side} {tokens / t:.1f}" for side, t in best.items()) + f"; same: {same}")
     lines = [
-        "# Rollout decoding: lit-rl's decode loop vs transformers' generate",
+        "# Rollout decoding: lit-rl's decode loop, eager and compiled, vs transformers' generate",
         "",
         "Command: `" + " ".join(["python bench/bench_decode.py", *(argv if argv is not None else sys.argv[1:])]) + "`",
         "",
@@ -111,18 +132,32 @@ def main(argv: list[str] | None = None) -> str:
         + f"; model: embedded SmolLM2-135M-Instruct in {args.dtype}.",
         "",
         f"Rollout: {args.prompts} prompts x {args.generations} completions = {rows} rows, shared-prompt prefill, "
-        "temperature 1, every completion forced to the full length; the same random state for both sides. "
+        "temperature 1, every completion forced to the full length; the same random state for every side. "
         f"Best of {args.rounds} alternating runs per side. Seconds and tokens per second depend on the machine's "
         "load (the mean 1-minute load average during the runs is given); the tokens do not.",
         "",
-        "| new tokens | generate s | own loop s | generate tokens/s | own loop tokens/s | speed-up | same tokens | load |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |",
+        "The compiled side's first rollout of each length compiles its one-token step (`model.decode: compiled`): "
+        "`compile s` is that compilation, `first compiled s` the whole first rollout with it, neither in the "
+        "best-of; `break-even` is the number of rollouts after which the compiled loop's saving over the own loop "
+        "has paid for the compilation (`never`: no saving). `same tokens` compares each loop's tokens with "
+        "`generate`'s, greedy (one untimed run) / sampled (the timed runs); the compiled step's logits are close "
+        "to, not bitwise equal to, `generate`'s.",
+        "",
+        "| new tokens | generate s | own loop s | compiled s | compile s | first compiled s "
+        "| generate tokens/s | own loop tokens/s | compiled tokens/s | own vs generate | compiled vs generate "
+        "| break-even | same tokens: own | same tokens: compiled | load |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- | ---: |",
     ]
-    for length, slow, fast, same, load in results:
+    for length, best, compile_s, first, same, load in results:
         tokens = rows * length
+        g, o, c = best["generate"], best["own"], best["compiled"]
+        saving = o - c
+        even = f"{compile_s / saving:.0f} rollouts" if saving > 0 else "never"
+        checks = ["/".join("yes" if x else "no" for x in same[side]) for side in ("own", "compiled")]
         lines.append(
-            f"| {length} | {slow:.1f} | {fast:.1f} | {tokens / slow:.1f} | {tokens / fast:.1f} | {slow / fast:.2f}x | "
-            f"{'yes' if same else 'no'} | {load:.1f} |"
+            f"| {length} | {g:.1f} | {o:.1f} | {c:.1f} | {compile_s:.1f} | {first:.1f} | {tokens / g:.1f} | "
+            f"{tokens / o:.1f} | {tokens / c:.1f} | {g / o:.2f}x | {g / c:.2f}x | {even} | {checks[0]} | "
+            f"{checks[1]} | {load:.1f} |"
         )
     text = "\n".join(lines) + "\n"
     if args.out == "-":

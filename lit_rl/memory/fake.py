@@ -34,6 +34,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lit_rl.models import base_model
+from lit_rl.models.compiled_decode import static_capacity
 from lit_rl.models.decode import preallocate
 
 # trainer.precision -> (weight dtype or None to keep the loaded one, autocast dtype or None)
@@ -176,11 +177,14 @@ class GenerateRecord:
     calls: int = 0
 
 
-def fake_generate(policy, record: GenerateRecord, *, padded: bool, full_decode: bool = False, own_decode: bool = False):
+def fake_generate(
+    policy, record: GenerateRecord, *, padded: bool, full_decode: bool = False, own_decode: bool | str = False
+):
     """A stand-in for ``policy.generate`` that allocates what sampling allocates and always runs to the limit.
 
     With ``own_decode`` the cache is moved into preallocated buffers after the prefill, as
-    :func:`lit_rl.models.decode.decode` moves it (the rollout holds the whole completion's KV cache from then on).
+    :func:`lit_rl.models.decode.decode` moves it (the rollout holds the whole completion's KV cache from then on);
+    with ``"compiled"`` the buffers have the static cache's rounded-up length, beside its mask.
     """
 
     def generate(input_ids=None, attention_mask=None, generation_config=None, **kwargs):
@@ -202,6 +206,9 @@ def fake_generate(policy, record: GenerateRecord, *, padded: bool, full_decode: 
         # the decode loop's own bookkeeping: mask, positions and tokens for the longest sequence, held throughout
         width = input_ids.shape[1] + max_new
         bookkeeping = [input_ids.new_empty((input_ids.shape[0], width)) for _ in range(3 if own_decode else 0)]
+        capacity = static_capacity(width - 1) if own_decode == "compiled" else width - 1  # the last token never fed
+        if own_decode == "compiled":
+            bookkeeping.append(input_ids.new_empty((input_ids.shape[0], capacity)))  # the step's mask
         steps = list(range(max_new)) if full_decode or max_new <= 3 else [0, 1, max_new - 1]
         for i, step in enumerate(steps):
             skipped = step - steps[i - 1] - 1 if i else 0
@@ -234,7 +241,7 @@ def fake_generate(policy, record: GenerateRecord, *, padded: bool, full_decode: 
                 return_dict=True,
             )
             if own_decode and step == 0:
-                preallocate(cache, input_ids.shape[1] + max_new - 1)  # the last token is never fed back
+                preallocate(cache, capacity)
             step_positions = position_ids[:, -1:] + 1  # [B, 1]
             position_ids = torch.cat([position_ids, step_positions], dim=-1)
             if mask is not None:

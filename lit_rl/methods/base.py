@@ -41,7 +41,7 @@ from lit_rl.methods.evaluation import EvalSettings, HeldOutEvaluation
 from lit_rl.methods.rng import rng_states, set_rng_states
 from lit_rl.methods.standalone import StandaloneStep
 from lit_rl.models import LoraSettings, load_causal_lm, load_tokenizer
-from lit_rl.models.decode import decode_unsupported
+from lit_rl.models.compiled_decode import choose_decode
 from lit_rl.models.quantize import check_quantize_base, nf4_memory
 
 
@@ -140,7 +140,8 @@ class RLMethod(HeldOutEvaluation, StandaloneStep, L.LightningModule):
             :class:`~lit_rl.methods.evaluation.EvalSettings`; the prompts come from the datamodule's ``val_dataloader``.
         decode: ``own``: rollouts and held-out completions from :func:`lit_rl.models.decode.decode` (a preallocated
             KV cache, the same tokens as ``generate``) where the model passes its load-time check, else ``generate``
-            with the reason said once; ``generate``: always transformers' ``generate``.
+            with the reason said once; ``compiled``: that loop with its one-token step through ``torch.compile``
+            (:mod:`lit_rl.models.compiled_decode`; each new rollout shape compiles first); ``generate``: always it.
     """
 
     phase_names: ClassVar[tuple[str, ...]] = (BACKWARD, OPTIMIZER)
@@ -165,7 +166,7 @@ class RLMethod(HeldOutEvaluation, StandaloneStep, L.LightningModule):
         max_nonfinite_steps: int = 3,
         metric_funcs: list[str] | None = None,
         evaluation: EvalSettings | None = None,
-        decode: Literal["own", "generate"] = "own",
+        decode: Literal["own", "compiled", "generate"] = "own",
     ) -> None:
         super().__init__()
         self.save_hyperparameters()  # collects the arguments of every __init__ in the chain
@@ -203,7 +204,7 @@ class RLMethod(HeldOutEvaluation, StandaloneStep, L.LightningModule):
         self.last_evaluation: dict[str, float] = {}
         #: shapes of the latest step that set its memory (``prompt_length``, ``new_tokens``: the longest completion)
         self.step_shape: dict[str, int] = {}
-        self.own_decode = False  # whether rollouts use lit-rl's decode loop, decided when the policy loads
+        self.own_decode: str | bool = False  # False (generate), "own" or "compiled", decided when the policy loads
 
     # ------------------------------------------------------------------ what a subclass provides
     @property
@@ -260,10 +261,9 @@ class RLMethod(HeldOutEvaluation, StandaloneStep, L.LightningModule):
         rank_zero_info(f"policy {self.name_or_path}: {total / 1e6:.1f}M parameters, {trainable / 1e6:.2f}M trainable")
         if self.needs_reference and not self.uses_lora:
             self.reference = self.frozen_copy()
-        reason = decode_unsupported(self.policy) if self.hparams.decode == "own" else "model.decode is generate"
-        self.own_decode = reason is None
-        if self.hparams.decode == "own" and reason is not None:
-            rank_zero_info(f"model.decode: transformers' generate for {self.name_or_path}, {reason}")
+        self.own_decode, fallback = choose_decode(self.policy, self.hparams.decode, self.name_or_path)
+        if fallback is not None:
+            rank_zero_info(fallback)
 
     @property
     def uses_lora(self) -> bool:

@@ -25,6 +25,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torchmetrics import MeanMetric
 from transformers import GenerationConfig
 
+from lit_rl.models.compiled_decode import compiled_decode
 from lit_rl.models.decode import decode, sampling_settings, weights_are_real
 from lit_rl.models.shared_prompt import shared_prefill
 
@@ -109,7 +110,7 @@ def sample_completions(
     *,
     repeats: int = 1,
     share_prompt: bool = False,
-    own_decode: bool = False,
+    own_decode: bool | str = False,
     **config: Any,
 ) -> torch.Tensor:
     """Complete each prompt ``repeats`` times in eval mode with a fresh ``GenerationConfig(**config)``:
@@ -118,10 +119,11 @@ def sample_completions(
     A fresh config because checkpoint defaults (``top_k=50``, repetition penalties) would bias the samples. Rows
     ``i * repeats ...`` continue prompt ``i``; with ``share_prompt`` the prompts' KV cache is computed once and
     repeated (:func:`lit_rl.models.shared_prompt.shared_prefill`), which draws the same samples as repeating the
-    prompts up to floating-point order. With ``own_decode`` (decided per model at load time) the tokens come from
-    :func:`lit_rl.models.decode.decode`, the same tokens as ``policy.generate`` in fewer seconds; ``generate``
-    runs where a setting of the merged generation config is not one the loop implements, and on fake tensors
-    (where the estimator stands in for ``generate``).
+    prompts up to floating-point order. With ``own_decode`` (decided per model at load time: ``True`` or ``"own"``)
+    the tokens come from :func:`lit_rl.models.decode.decode`, the same tokens as ``policy.generate`` in fewer
+    seconds, with ``"compiled"`` from :func:`lit_rl.models.compiled_decode.compiled_decode` (its step compiled,
+    logits close to ``generate``'s); ``generate`` runs where a setting of the merged generation config is not one
+    the loop implements, and on fake tensors (where the estimator stands in for ``generate``).
     """
     config = GenerationConfig(pad_token_id=pad_id, eos_token_id=eos, use_cache=True, **config)
     settings = None
@@ -138,7 +140,8 @@ def sample_completions(
         input_ids = input_ids.repeat_interleave(repeats, dim=0)  # [B * repeats, P]
         attention_mask = attention_mask.repeat_interleave(repeats, dim=0)
         if settings is not None:
-            return decode(policy, input_ids, attention_mask, eos=eos, pad_id=pad_id, cache=cache, **settings)
+            run = compiled_decode if own_decode == "compiled" else decode
+            return run(policy, input_ids, attention_mask, eos=eos, pad_id=pad_id, cache=cache, **settings)
         return policy.generate(
             input_ids=input_ids, attention_mask=attention_mask, generation_config=config, past_key_values=cache
         )

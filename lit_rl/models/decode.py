@@ -6,8 +6,8 @@ for it, a cost that grows with the square of the completion length; around the f
 positions by concatenation. Measured on this project's CPU rollout (``bench/results/decode.md``), those copies are
 a small part of a step: the forward itself (its skinny matrix multiplies and a few hundred small kernels per token)
 takes the time, about three times its floor in ``bench/results/roofline.md``, so the loop is about as fast as
-``generate`` for short completions and gains with the length. It is also the place where a compiled one-token step and CUDA
-graphs would go, which need a cache whose buffers do not move.
+``generate`` for short completions and gains with the length. Its steps after the prefill can be replaced
+(``step``): :mod:`lit_rl.models.compiled_decode` runs them through ``torch.compile`` over a static cache.
 
 How :func:`decode` differs, and what it keeps:
 
@@ -29,8 +29,8 @@ How :func:`decode` differs, and what it keeps:
   repetition penalty, bad-word lists, ...) is found per call by :func:`sampling_settings`; either way the
   caller falls back to ``generate``.
 
-Not here: ``torch.compile`` of the one-token step and CUDA graphs (``bench/results/decode.md`` measures the loop
-as it is); beam search; GumbelTopK's differentiable decode, whose cache lives in the autograd graph.
+Not here: the compiled step (:mod:`lit_rl.models.compiled_decode`, ``model.decode: compiled``); beam search;
+GumbelTopK's differentiable decode, whose cache lives in the autograd graph.
 """
 
 from __future__ import annotations
@@ -224,12 +224,17 @@ def decode(
     top_p: float = 1.0,
     min_new_tokens: int = 0,
     cache=None,
+    step=None,
 ) -> torch.Tensor:
     """Complete ``input_ids [B, P]`` (left-padded, ``attention_mask [B, P]``): ``[B, P + C]`` as ``generate`` returns.
 
     ``C`` is the step at which every row has ended (EOS) or ``max_new_tokens``; rows that ended earlier are padded
     with ``pad_id``. ``cache``: a ``DynamicCache`` holding the first ``P - 1`` or fewer prompt positions (a shared
-    prefill), or ``None``. The model runs as it is (the caller sets eval mode).
+    prefill), or ``None``. The model runs as it is (the caller sets eval mode). ``step``: what runs every token
+    after the prefill in place of the model's forward over the preallocated cache, or ``None``; its
+    ``start(cache, mask [B, P + N])`` takes the prefilled cache (``False``: not taken, the forward goes on), a call
+    ``step(tokens [B, 1], positions [B, 1])`` returns ``[B, V]`` logits
+    (:class:`lit_rl.models.compiled_decode.StaticSteps`).
     """
     b, p = input_ids.shape
     total = p + max_new_tokens
@@ -247,19 +252,23 @@ def decode(
     unfinished = torch.ones(b, dtype=torch.long, device=device)  # [B]
     length = p
     for produced in range(max_new_tokens):
-        out = model(
-            input_ids=sequences[:, cached:length],
-            attention_mask=mask[:, :length] if keep_mask else None,
-            position_ids=positions[:, cached:length],
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-            return_dict=True,
-        )
-        if produced == 0:
-            preallocate(cache, total - 1)  # after the prefill; the last token is never fed back
-        scores = out.logits[:, -1].to(copy=True, dtype=torch.float32)  # [B, V]
-        del out
+        if produced and step is not None:
+            logits = step(sequences[:, cached:length], positions[:, cached:length])  # [B, V]
+        else:
+            logits = model(
+                input_ids=sequences[:, cached:length],
+                attention_mask=mask[:, :length] if keep_mask else None,
+                position_ids=positions[:, cached:length],
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+                return_dict=True,
+            ).logits[:, -1]  # [B, V]
+            if produced == 0 and (step is None or not step.start(cache, mask)):
+                step = None
+                preallocate(cache, total - 1)  # after the prefill; the last token is never fed back
+        scores = logits.to(copy=True, dtype=torch.float32)  # [B, V]
+        del logits
         if min_new_tokens:
             scores = min_new_tokens_filter(scores, eos_ids, produced, min_new_tokens)
         if do_sample:
@@ -281,11 +290,12 @@ def decode(
     return sequences[:, :length]
 
 
-def decode_unsupported(model) -> str | None:
+def decode_unsupported(model, step=None) -> str | None:
     """Why :func:`decode` is not exact for ``model`` (``None`` when it is), decided at load time.
 
     Rules out caches that are not plain growing key/value layers, then completes two random prompts (one
-    left-padded) greedily with both loops and compares the tokens.
+    left-padded) greedily with both loops and compares the tokens; with ``step`` (see :func:`decode`) the loop
+    runs it after the prefill.
     """
     hf = base_model(model)
     try:
@@ -312,7 +322,7 @@ def decode_unsupported(model) -> str | None:
         if reason is not None:
             return reason
         expected = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
-        ours = decode(model, ids, mask, eos=[vocab + 1], pad_id=pad, **settings)
+        ours = decode(model, ids, mask, eos=[vocab + 1], pad_id=pad, step=step, **settings)
     except (NotImplementedError, RuntimeError, TypeError, ValueError, AttributeError) as err:
         return f"its forward does not take the preallocated cache ({type(err).__name__}: {err})"
     finally:
