@@ -18,6 +18,7 @@ seeded, so the rewards agree unless floating-point order flips a sample. Times d
 Run (prints a markdown table; about 6 minutes on 2 quiet CPU cores with these settings)::
 
     python bench/bench_shared_prompt.py --before b8477ee --out bench/results/shared_prompt.md
+    python bench/bench_shared_prompt.py --before 5b5f8c1 --skip-unshared --out bench/results/default_step.md
     python bench/bench_shared_prompt.py --steps 2 --rounds 1    # smoke test
 """
 
@@ -65,14 +66,19 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument(
         "--before", help="also run the code and config of this git commit (e.g. the one before a change)"
     )
+    parser.add_argument(
+        "--skip-unshared", action="store_true", help="leave out the share_prompt false variant (with --before: this "
+        "checkout against that commit only)"
+    )
     parser.add_argument("--out", help="also write the markdown here")
     parser.add_argument("extra", nargs="*", help="more lit-rl fit arguments, after --")
     args = parser.parse_args(argv)
 
-    variants = {
-        "shared prompt": (ROOT, ["--model.share_prompt", "true"]),
-        "share_prompt false": (ROOT, ["--model.share_prompt", "false"]),
-    }
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    first = f"this checkout ({head.stdout.strip()})" if args.skip_unshared else "shared prompt"
+    variants = {first: (ROOT, ["--model.share_prompt", "true"])}
+    if not args.skip_unshared:
+        variants["share_prompt false"] = (ROOT, ["--model.share_prompt", "false"])
     if args.before:  # the code and config of an earlier commit, checked out beside this one
         checkout = Path(tempfile.mkdtemp(prefix="lit_rl_before_")) / "checkout"
         subprocess.run(["git", "worktree", "add", "--detach", str(checkout), args.before], cwd=ROOT, check=True)
