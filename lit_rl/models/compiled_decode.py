@@ -4,9 +4,10 @@ Why: a decode step is one token's forward, hundreds of small kernels around a fe
 (``bench/results/roofline.md``). ``torch.compile`` fuses the elementwise kernels; on a GPU, CUDA graphs (its
 ``reduce-overhead`` mode) replay the whole step as one launch. A compiled step needs the same shapes at every
 token, which :class:`~lit_rl.models.decode.PreallocatedLayer` (views that grow by one position per token) does
-not give, so this step runs over transformers' ``StaticCache`` instead. On a CPU the multiplies keep most of the
-time, so the gain is small and the first rollout of each shape pays the compilation: both are measured in
-``bench/results/decode.md``.
+not give, so this step runs over transformers' ``StaticCache`` instead, attending over the whole buffer from the
+first token. On a CPU the multiplies keep most of the time: the compiled step is faster than the eager loop only
+for short completions, slower for long ones, and the first rollout of each shape pays the compilation
+(``bench/results/decode.md``). It is the path for a GPU, where CUDA graphs remove the launch of every kernel.
 
 How :func:`compiled_decode` differs from :func:`lit_rl.models.decode.decode`, whose loop it runs (sampling, EOS,
 ``min_new_tokens``, padding of ended rows and the early exit are that loop's, unchanged):
