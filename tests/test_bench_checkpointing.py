@@ -18,7 +18,7 @@ def test_quick_bench_writes_a_row_per_setting(bench, tmp_path, capsys):
     out = tmp_path / "checkpointing.md"
     text = bench.main(["--quick", "--out", str(out)])
     assert text in capsys.readouterr().out and out.read_text() == text
-    assert "Command: `nice -n 10 python bench/bench_checkpointing.py --quick --out" in text
+    assert "Command: `python bench/bench_checkpointing.py --quick --out" in text
     assert "Load average (1, 5, 15 min):" in text
     body = text.split("## LoRA at 128 tokens", 1)[1].splitlines()
     rows = [[c.strip() for c in ln.strip("|").split("|")] for ln in body if ln.startswith("| ") and "---" not in ln]
