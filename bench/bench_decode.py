@@ -23,6 +23,7 @@ Run (about 40 minutes on 2 CPU cores; 1,024 new tokens take most of it)::
 
     python bench/bench_decode.py                       # writes bench/results/decode.md
     python bench/bench_decode.py --lengths 16 --rounds 1 --out -   # a quick check, printed
+    python bench/bench_decode.py --bf16-mixed --lengths 64 256 1024 --out bench/results/decode_bf16_mixed.md
 """
 
 from __future__ import annotations
@@ -57,6 +58,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--generations", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=2, help="runs of each side per length (best kept)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument(
+        "--bf16-mixed",
+        action="store_true",
+        help="float32 weights under CPU bf16 autocast with its cast cache off, as Lightning's bf16-mixed runs a "
+        "rollout; the compiled side is left out",
+    )
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "decode.md"), help="- prints only")
     return parser.parse_args(argv)
@@ -87,41 +94,58 @@ def main(argv: list[str] | None = None) -> str:
         torch.set_num_threads(args.threads)
     tokenizer = load_tokenizer("embedded")
     model = load_causal_lm("embedded", dtype=args.dtype)
-    reason = decode_unsupported(model) or compile_unsupported(model)
+    sides = [side for side in SIDES if not (args.bf16_mixed and side == "compiled")]
+    reason = decode_unsupported(model) or ("compiled" in sides and compile_unsupported(model)) or None
     if reason is not None:
         raise SystemExit(f"the decode loop or its compiled step is off for the embedded model: {reason}")
     ids, mask = prompts(tokenizer, args.prompts)
+    rows = args.prompts * args.generations
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False, enabled=args.bf16_mixed)
+    with autocast:
+        results = measure(model, tokenizer, ids, mask, args, sides)
+    return write(args, argv, rows, sides, results)
+
+
+def measure(model, tokenizer, ids, mask, args, sides: list[str]) -> list[tuple]:
+    """Per length: ``(length, best seconds per side, compile s, first compiled s, same tokens per loop, load)``."""
     rows = args.prompts * args.generations
     run(model, tokenizer, ids, mask, args, 4, "generate")  # warm both eager paths (first calls pick kernels)
     run(model, tokenizer, ids, mask, args, 4, "own")
     results = []
     for length in args.lengths:
         # the compiled step's first rollout of this shape compiles it: timed on its own, never in the best-of
-        before = set(compile_seconds(model))
-        first, _ = run(model, tokenizer, ids, mask, args, length, "compiled")
-        compiled_s = sum(s for shape, s in compile_seconds(model).items() if shape not in before)
-        print(
-            f"{length} new tokens, compiled: first rollout {first:.1f} s, {compiled_s:.1f} s of it compiling",
-            flush=True,
-        )
-        greedy = {side: run(model, tokenizer, ids, mask, args, length, side, sample=False)[1] for side in SIDES}
-        times = {side: [] for side in SIDES}
+        first = compiled_s = float("nan")
+        if "compiled" in sides:
+            before = set(compile_seconds(model))
+            first, _ = run(model, tokenizer, ids, mask, args, length, "compiled")
+            compiled_s = sum(s for shape, s in compile_seconds(model).items() if shape not in before)
+            print(
+                f"{length} new tokens, compiled: first rollout {first:.1f} s, {compiled_s:.1f} s of it compiling",
+                flush=True,
+            )
+        greedy = {side: run(model, tokenizer, ids, mask, args, length, side, sample=False)[1] for side in sides}
+        times = {side: [] for side in sides}
         outs = {}
         loads = []
         for _ in range(args.rounds):
-            for side in SIDES:
+            for side in sides:
                 loads.append(os.getloadavg()[0])
                 seconds, outs[side] = run(model, tokenizer, ids, mask, args, length, side)
                 times[side].append(seconds)
                 print(f"{length} new tokens, {side}: {seconds:.1f} s", flush=True)
         same = {
             side: (torch.equal(greedy[side], greedy["generate"]), torch.equal(outs[side], outs["generate"]))
-            for side in ("own", "compiled")
+            for side in sides[1:]
         }
         best = {side: min(t) for side, t in times.items()}
         results.append((length, best, compiled_s, first, same, sum(loads) / len(loads)))
         tokens = rows * length
         print("  tokens/s " + ", ".join(f"{side} {tokens / t:.1f}" for side, t in best.items()) + f"; same: {same}")
+    return results
+
+
+def write(args, argv, rows: int, sides: list[str], results: list[tuple]) -> str:
+    precision = "float32 weights under bf16 autocast (bf16-mixed)" if args.bf16_mixed else args.dtype
     lines = [
         "# Rollout decoding: lit-rl's decode loop, eager and compiled, vs transformers' generate",
         "",
@@ -129,7 +153,7 @@ def main(argv: list[str] | None = None) -> str:
         "",
         f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, {torch.get_num_threads()} torch threads; "
         + ", ".join(f"{k} {v}" for k, v in versions(("torch", "transformers")).items())
-        + f"; model: embedded SmolLM2-135M-Instruct in {args.dtype}.",
+        + f"; model: embedded SmolLM2-135M-Instruct in {precision}.",
         "",
         f"Rollout: {args.prompts} prompts x {args.generations} completions = {rows} rows, shared-prompt prefill, "
         "temperature 1, every completion forced to the full length; the same random state for every side. "
@@ -148,15 +172,26 @@ def main(argv: list[str] | None = None) -> str:
         "| break-even | same tokens: own | same tokens: compiled | load |",
         "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- | ---: |",
     ]
+    if args.bf16_mixed:
+        lines[-3:-3] = [
+            "",
+            "Under bf16-mixed, `generate` casts every weight at every token (Lightning's autocast keeps no cast "
+            "cache) and the own loop casts each `nn.Linear` weight once per rollout (`lit_rl/models/cast_once.py`); "
+            "the compiled side is not run (`-`).",
+        ]
     for length, best, compile_s, first, same, load in results:
         tokens = rows * length
-        g, o, c = best["generate"], best["own"], best["compiled"]
-        saving = o - c
-        even = f"{compile_s / saving:.0f} rollouts" if saving > 0 else "never"
-        checks = ["/".join("yes" if x else "no" for x in same[side]) for side in ("own", "compiled")]
+        g, o, c = best["generate"], best["own"], best.get("compiled")
+        checks = ["/".join("yes" if x else "no" for x in same[side]) if side in same else "-" for side in SIDES][1:]
+        if c is None:
+            compiled = ["-"] * 6
+        else:
+            saving = o - c
+            even = f"{compile_s / saving:.0f} rollouts" if saving > 0 else "never"
+            compiled = [f"{c:.1f}", f"{compile_s:.1f}", f"{first:.1f}", f"{tokens / c:.1f}", f"{g / c:.2f}x", even]
         lines.append(
-            f"| {length} | {g:.1f} | {o:.1f} | {c:.1f} | {compile_s:.1f} | {first:.1f} | {tokens / g:.1f} | "
-            f"{tokens / o:.1f} | {tokens / c:.1f} | {g / o:.2f}x | {g / c:.2f}x | {even} | {checks[0]} | "
+            f"| {length} | {g:.1f} | {o:.1f} | {compiled[0]} | {compiled[1]} | {compiled[2]} | {tokens / g:.1f} | "
+            f"{tokens / o:.1f} | {compiled[3]} | {g / o:.2f}x | {compiled[4]} | {compiled[5]} | {checks[0]} | "
             f"{checks[1]} | {load:.1f} |"
         )
     text = "\n".join(lines) + "\n"

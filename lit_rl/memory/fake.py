@@ -34,6 +34,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lit_rl.models import base_model
+from lit_rl.models.cast_once import linear_weights_cast_once
 from lit_rl.models.compiled_decode import static_capacity
 from lit_rl.models.decode import preallocate
 
@@ -184,10 +185,17 @@ def fake_generate(
 
     With ``own_decode`` the cache is moved into preallocated buffers after the prefill, as
     :func:`lit_rl.models.decode.decode` moves it (the rollout holds the whole completion's KV cache from then on);
-    with ``"compiled"`` the buffers have the static cache's rounded-up length, beside its mask.
+    with ``"compiled"`` the buffers have the static cache's rounded-up length, beside its mask. The eager loop's casts
+    of the weights under mixed precision (:func:`lit_rl.models.cast_once.linear_weights_cast_once`) are held
+    throughout, as there.
     """
 
-    def generate(input_ids=None, attention_mask=None, generation_config=None, **kwargs):
+    def generate(*args, **kwargs):
+        eager_loop = own_decode is True or own_decode == "own"
+        with linear_weights_cast_once(policy) if eager_loop else contextlib.nullcontext():
+            return run(*args, **kwargs)
+
+    def run(input_ids=None, attention_mask=None, generation_config=None, **kwargs):
         from transformers import DynamicCache
 
         max_new = generation_config.max_new_tokens if generation_config is not None else kwargs["max_new_tokens"]

@@ -23,6 +23,9 @@ How :func:`decode` differs, and what it keeps:
   ``min_new_tokens`` are out, temperature, top-k, top-p, then ``torch.multinomial`` on the softmax (greedy:
   ``argmax``). Rows that ended get the pad token; the loop exits when every row has ended. With the same random
   state the sampled tokens are the ones ``generate`` draws.
+- **Under mixed precision** (an autocast with its cast cache off, as Lightning runs one) each ``nn.Linear``
+  weight is cast once for the whole loop instead of at every token (:mod:`lit_rl.models.cast_once`): the same
+  logits, for the casts' memory held through the rollout.
 - **Which models.** :func:`decode_unsupported` rules out, at load time, architectures whose cache is not a plain
   list of growing key/value layers (sliding windows, recurrent or linear-attention states) and runs both loops
   greedily on random tokens to compare them. A ``generate`` setting the loop does not implement (a model's own
@@ -35,12 +38,14 @@ GumbelTopK's differentiable decode, whose cache lives in the autograd graph.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from transformers import DynamicCache, DynamicLayer, GenerationConfig
 
+from lit_rl.models.cast_once import linear_weights_cast_once
 from lit_rl.models.head import base_model
 
 __all__ = [
@@ -251,42 +256,44 @@ def decode(
     cached = cache.get_seq_length()
     unfinished = torch.ones(b, dtype=torch.long, device=device)  # [B]
     length = p
-    for produced in range(max_new_tokens):
-        if produced and step is not None:
-            logits = step(sequences[:, cached:length], positions[:, cached:length])  # [B, V]
-        else:
-            logits = model(
-                input_ids=sequences[:, cached:length],
-                attention_mask=mask[:, :length] if keep_mask else None,
-                position_ids=positions[:, cached:length],
-                past_key_values=cache,
-                use_cache=True,
-                logits_to_keep=1,
-                return_dict=True,
-            ).logits[:, -1]  # [B, V]
-            if produced == 0 and (step is None or not step.start(cache, mask)):
-                step = None
-                preallocate(cache, total - 1)  # after the prefill; the last token is never fed back
-        scores = logits.to(copy=True, dtype=torch.float32)  # [B, V]
-        del logits
-        if min_new_tokens:
-            scores = min_new_tokens_filter(scores, eos_ids, produced, min_new_tokens)
-        if do_sample:
-            if temperature != 1.0:
-                scores = scores / temperature
-            if top_k:
-                scores = top_k_filter(scores, top_k)
-            if top_p < 1.0:
-                scores = top_p_filter(scores, top_p)
-            tokens = torch.multinomial(scores.softmax(dim=-1), num_samples=1).squeeze(1)  # [B]
-        else:
-            tokens = scores.argmax(dim=-1)  # [B]
-        tokens = tokens * unfinished + pad_id * (1 - unfinished)
-        sequences[:, length] = tokens
-        cached, length = length, length + 1
-        unfinished = unfinished & ~torch.isin(tokens, eos_ids)
-        if _all_ended(unfinished):
-            break
+    # under mixed precision each weight is cast once for the rollout, not at every token (the same numbers)
+    with linear_weights_cast_once(model) if step is None else contextlib.nullcontext():
+        for produced in range(max_new_tokens):
+            if produced and step is not None:
+                logits = step(sequences[:, cached:length], positions[:, cached:length])  # [B, V]
+            else:
+                logits = model(
+                    input_ids=sequences[:, cached:length],
+                    attention_mask=mask[:, :length] if keep_mask else None,
+                    position_ids=positions[:, cached:length],
+                    past_key_values=cache,
+                    use_cache=True,
+                    logits_to_keep=1,
+                    return_dict=True,
+                ).logits[:, -1]  # [B, V]
+                if produced == 0 and (step is None or not step.start(cache, mask)):
+                    step = None
+                    preallocate(cache, total - 1)  # after the prefill; the last token is never fed back
+            scores = logits.to(copy=True, dtype=torch.float32)  # [B, V]
+            del logits
+            if min_new_tokens:
+                scores = min_new_tokens_filter(scores, eos_ids, produced, min_new_tokens)
+            if do_sample:
+                if temperature != 1.0:
+                    scores = scores / temperature
+                if top_k:
+                    scores = top_k_filter(scores, top_k)
+                if top_p < 1.0:
+                    scores = top_p_filter(scores, top_p)
+                tokens = torch.multinomial(scores.softmax(dim=-1), num_samples=1).squeeze(1)  # [B]
+            else:
+                tokens = scores.argmax(dim=-1)  # [B]
+            tokens = tokens * unfinished + pad_id * (1 - unfinished)
+            sequences[:, length] = tokens
+            cached, length = length, length + 1
+            unfinished = unfinished & ~torch.isin(tokens, eos_ids)
+            if _all_ended(unfinished):
+                break
     return sequences[:, :length]
 
 

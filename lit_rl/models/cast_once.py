@@ -1,0 +1,85 @@
+"""Mixed-precision rollouts that cast each weight once, not at every decoded token.
+
+Why: Lightning's mixed precision runs ``training_step`` under ``torch.autocast(..., cache_enabled=False)``, so every
+matmul casts its float32 weight to bf16 (or fp16) again. In a forward over a whole batch that is one cast per
+weight; in a rollout it is one cast per weight *per new token*: a 135M-parameter model reads 540 MB and writes
+270 MB of casts for each token step, more than the bf16 matmuls themselves move. (Autocast's own cache would not
+help a LoRA base either: it keeps only casts of leaf tensors that require grad.)
+
+:func:`linear_weights_cast_once` casts the weight (and bias) of every plain ``nn.Linear`` once, when the rollout
+starts, and runs those layers on the casts until it ends. The numbers are the same: autocast casts an ``nn.Linear``'s
+float32 arguments with the same ``.to(dtype)`` and calls the same kernel, so each layer's output is bitwise what it
+would have been (``tests/test_cast_once.py`` compares logits and tokens). The cost is memory: the casts are held for
+the rollout, half the float32 bytes of the casted layers, which the estimator counts in the rollout phase
+(:func:`lit_rl.memory.fake.fake_generate` runs under the same context). ``model.decode: generate`` leaves it off.
+
+Only exact ``nn.Linear`` modules are cast (a LoRA layer's base layer and adapters are; an NF4 layer, a GPT-2
+``Conv1D`` or a module whose ``forward`` someone else has replaced on the instance are not, and stay as they were).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["linear_weights_cast_once"]
+
+
+def _autocast_dtype(model: torch.nn.Module) -> torch.dtype | None:
+    """The dtype an autocast active on ``model``'s device casts to, or ``None`` when none is active."""
+    parameter = next(model.parameters(), None)
+    if parameter is None:
+        return None
+    device_type = parameter.device.type
+    if device_type == "meta" or not torch.amp.is_autocast_available(device_type):
+        return None
+    if not torch.is_autocast_enabled(device_type):
+        return None
+    return torch.get_autocast_dtype(device_type)
+
+
+@contextlib.contextmanager
+def linear_weights_cast_once(model: torch.nn.Module) -> Iterator[int]:
+    """Under an active autocast, run ``model``'s float32 ``nn.Linear`` layers on casts made once; yields their bytes.
+
+    Outside autocast (or with no such layer) nothing changes and it yields 0. Call it under ``torch.no_grad()``:
+    the casts are detached, so a backward through them would not reach the weights.
+    """
+    dtype = _autocast_dtype(model)
+    if dtype is None:
+        yield 0
+        return
+    casts: dict[int, torch.Tensor] = {}  # id(parameter) -> its cast; tied weights (an LM head) are cast once
+
+    def cast(tensor: torch.Tensor | None) -> torch.Tensor | None:
+        if tensor is None:
+            return None
+        if id(tensor) not in casts:
+            casts[id(tensor)] = tensor.detach().to(dtype)
+        return casts[id(tensor)]
+
+    patched: list[torch.nn.Module] = []
+    try:
+        for module in model.modules():
+            if type(module) is not torch.nn.Linear or "forward" in module.__dict__:
+                continue
+            if module.weight.dtype != torch.float32:
+                continue
+            weight, bias = cast(module.weight), cast(module.bias)
+            module.forward = _cast_forward(weight, bias)
+            patched.append(module)
+        yield sum(t.untyped_storage().nbytes() for t in casts.values())
+    finally:
+        for module in patched:
+            del module.forward
+        casts.clear()
+
+
+def _cast_forward(weight: torch.Tensor, bias: torch.Tensor | None):
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, weight, bias)
+
+    return forward

@@ -1,0 +1,111 @@
+"""Rollouts under mixed precision cast each weight once (:mod:`lit_rl.models.cast_once`), with the same numbers.
+
+Under ``torch.autocast(..., cache_enabled=False)`` (Lightning's bf16-mixed) the layers' outputs, the model's logits
+and the decode loop's tokens must be bitwise what they are when autocast casts every weight at every use; the
+layers are restored afterwards, and outside autocast nothing is touched.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import GenerationConfig
+
+from lit_rl.models.cast_once import linear_weights_cast_once
+from lit_rl.models.decode import decode, sampling_settings
+from lit_rl.models.tiny import tiny_model
+
+EOS, PAD = 2, 0
+
+
+def _autocast():
+    return torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False)  # as Lightning's MixedPrecision
+
+
+def _lora(model):
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    for name, parameter in model.named_parameters():  # adapters that change the output (B starts at zero)
+        if "lora_B" in name:
+            torch.nn.init.normal_(parameter, std=0.5, generator=torch.Generator().manual_seed(len(name)))
+    return model
+
+
+def _prompts():
+    ids = torch.randint(3, 128, (3, 7), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    return ids.masked_fill(mask == 0, PAD), mask
+
+
+@pytest.mark.parametrize("lora", [False, True])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_logits_are_bitwise_those_of_per_use_casts(arch, lora):
+    model = tiny_model(arch, seed=4, tie_word_embeddings=True).eval()
+    model = _lora(model) if lora else model
+    ids, mask = _prompts()
+    with torch.no_grad(), _autocast():
+        expected = model(input_ids=ids, attention_mask=mask).logits
+        with linear_weights_cast_once(model) as held:
+            got = model(input_ids=ids, attention_mask=mask).logits
+    assert expected.dtype == torch.bfloat16  # the head ran under autocast on both sides
+    assert torch.equal(got, expected)
+    assert held > 0
+
+
+def test_holds_half_the_float32_bytes_of_the_linear_layers_with_a_tied_head_once():
+    model = tiny_model("llama", seed=0, tie_word_embeddings=True)
+    linears = {id(m.weight): m.weight for m in model.modules() if type(m) is torch.nn.Linear}
+    with torch.no_grad(), _autocast(), linear_weights_cast_once(model) as held:
+        pass
+    assert held == sum(w.numel() for w in linears.values()) * 2
+    assert model.lm_head.weight is model.get_input_embeddings().weight  # the tied head is counted once above
+
+
+def test_layers_are_restored_and_outside_autocast_nothing_changes():
+    model = tiny_model("llama", seed=0)
+    linear = model.lm_head
+    with torch.no_grad(), _autocast(), linear_weights_cast_once(model):
+        assert "forward" in linear.__dict__
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    with torch.no_grad(), linear_weights_cast_once(model) as held:
+        assert held == 0 and "forward" not in linear.__dict__
+    with pytest.raises(RuntimeError, match="boom"):  # an error inside still restores the layers
+        with torch.no_grad(), _autocast(), linear_weights_cast_once(model):
+            raise RuntimeError("boom")
+    assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+def test_a_forward_replaced_by_someone_else_is_left_alone():
+    model = tiny_model("llama", seed=0)
+    replaced = model.model.layers[0].mlp.down_proj
+    own = replaced.forward  # a bound method, stored on the instance as a hook library would
+    replaced.forward = own
+    with torch.no_grad(), _autocast(), linear_weights_cast_once(model):
+        assert replaced.__dict__["forward"] is own
+    assert replaced.__dict__["forward"] is own
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_the_decode_loop_casts_once_and_draws_generates_tokens(do_sample):
+    model = _lora(tiny_model("llama", seed=5, tie_word_embeddings=True)).eval()
+    ids, mask = _prompts()
+    config = GenerationConfig(
+        pad_token_id=PAD, eos_token_id=[EOS], max_new_tokens=9, do_sample=do_sample, temperature=0.8, top_k=0
+    )
+    seen = []
+    hook = model.get_output_embeddings().register_forward_pre_hook(
+        lambda module, args: seen.append("forward" in module.__dict__)
+    )
+    with torch.no_grad(), _autocast():
+        torch.manual_seed(3)
+        expected = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+        generate_saw = list(seen)
+        settings, reason = sampling_settings(model, config)
+        assert reason is None
+        torch.manual_seed(3)
+        got = decode(model, ids, mask, eos=[EOS], pad_id=PAD, **settings)
+    hook.remove()
+    assert torch.equal(got, expected)
+    assert generate_saw and not any(generate_saw)  # generate: autocast casts at every use
+    assert seen[len(generate_saw) :] and all(seen[len(generate_saw) :])  # the loop: every step on the casts
