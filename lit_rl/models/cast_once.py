@@ -20,7 +20,7 @@ Only exact ``nn.Linear`` modules are cast (a LoRA layer's base layer and adapter
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
