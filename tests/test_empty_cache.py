@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
 import textwrap
@@ -17,7 +18,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lit_rl.callbacks import EmptyCache, MemoryProfiler
 from lit_rl.callbacks import empty_cache as empty_cache_module
 from lit_rl.data import PromptDataModule
-from lit_rl.memory.host_allocator import glibc, malloc_trim
+from lit_rl.memory.host_allocator import glibc, malloc_library, malloc_trim
 from lit_rl.memory.phases import PhaseTracker
 from lit_rl.memory.rss import read_rss
 from lit_rl.methods import RefCachedGRPO
@@ -150,6 +151,40 @@ def test_without_glibc_it_is_a_noop_and_says_why_once(monkeypatch, caplog):
     assert not logged
     said = {id(r) for r in caplog.records if "not glibc" in r.getMessage() and "no-op" in r.getMessage()}
     assert len(said) == 1
+
+
+LIBS = Path("/usr/lib/x86_64-linux-gnu")  # Debian's libjemalloc2 and libtcmalloc-minimal4
+PRELOADS = [path for path in (LIBS / "libjemalloc.so.2", LIBS / "libtcmalloc_minimal.so.4") if path.exists()]
+
+
+@pytest.mark.skipif(not PRELOADS or glibc() is None, reason="glibc, and libjemalloc2 or libtcmalloc-minimal4")
+@pytest.mark.parametrize("library", PRELOADS, ids=lambda path: path.name)
+def test_under_a_preloaded_allocator_glibc_is_not_used_and_empty_cache_says_so(library):
+    child = textwrap.dedent(
+        """
+        import logging, torch
+        from types import SimpleNamespace
+        from lit_rl.callbacks import EmptyCache
+        from lit_rl.memory.host_allocator import glibc, malloc_library, why_not_glibc
+        from lit_rl.memory.phases import PhaseTracker
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
+        logging.getLogger("lightning.pytorch").setLevel(logging.INFO)
+        trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu")), loggers=[])
+        EmptyCache(phases="all").setup(trainer, SimpleNamespace(phases=PhaseTracker(("rollout",))), "fit")
+        print("library", malloc_library(), "glibc", glibc() is not None)
+        """
+    )
+    env = {"PATH": "/usr/bin:/bin", "LD_PRELOAD": str(library)}
+    out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert f"library {library.name} glibc False" in out.stdout
+    said = [line for line in (out.stdout + out.stderr).splitlines() if line.startswith("EmptyCache:")]
+    assert len(said) == 1 and f"malloc is {library.name}'s, not glibc's" in said[0] and "no-op" in said[0]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or "LD_PRELOAD" in os.environ, reason="Linux, no preload")
+def test_malloc_library_finds_the_c_library_without_a_preload():
+    assert malloc_library() in ("libc.so.6", "libc.musl-x86_64.so.1", "libc.musl-aarch64.so.1")
 
 
 @needs_glibc

@@ -103,7 +103,7 @@ def test_the_documented_method_trains_is_measured_predicted_evaluated_and_emptie
 
     # EmptyCache's default releases after the phases before the update's forward: here the rollout
     assert default_phases(method.phases.names) == ("rollout",)
-    if why_not_glibc() is None:
+    if not why_not_glibc():  # '' where glibc serves malloc
         assert len(logged["memory/empty_cache/freed_gib"]) == 2, "released in each step"
 
 

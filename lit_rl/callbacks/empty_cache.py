@@ -53,7 +53,8 @@ class EmptyCache(Callback):
     ``bench/results/allocator.md``). Process-wide and for the rest of the process. Blocks allocated before
     ``setup`` (``import torch``) stay where they are.
 
-    Elsewhere (macOS, musl, Windows) the CPU work is a no-op that says once why.
+    Elsewhere (macOS, musl, Windows), and where jemalloc or tcmalloc serves ``malloc`` (``LD_PRELOAD``), the CPU work
+    is a no-op that says once why.
 
     **Logged Metrics** (each training step in which it released something, ``step = trainer.global_step``):
 
@@ -157,8 +158,8 @@ class EmptyCache(Callback):
             if not self._said_noop:
                 what = "malloc_trim" + ("/mallopt" if self.mmap_threshold or self.trim_threshold else "")
                 rank_zero_info(
-                    f"EmptyCache: training runs on {self._device} without CUDA and {why_not_glibc()}: there is no "
-                    f"cache to empty ({what} is glibc's); no-op."
+                    f"EmptyCache: training runs on {self._device} without CUDA and {why_not_glibc()}: {what} is "
+                    "glibc's, so this callback is a no-op."
                 )
                 self._said_noop = True
             return

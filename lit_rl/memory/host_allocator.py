@@ -20,18 +20,20 @@ Two remedies, both process-wide:
   allocated keep where they are. Every large allocation then costs an ``mmap``/``munmap`` and page
   faults: fewer cached bytes, more system time.
 
-Elsewhere (macOS, musl, Windows) :func:`glibc` is ``None`` and both are no-ops; :func:`why_not_glibc`
-says why in words.
+Elsewhere (macOS, musl, Windows), and where another allocator serves ``malloc`` (jemalloc or tcmalloc through
+``LD_PRELOAD``, as docs/memory.md suggests: glibc's heaps are then almost empty and the other allocator's cache is
+out of their reach), :func:`glibc` is ``None`` and both are no-ops; :func:`why_not_glibc` says why in words.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import os
 import platform
 import sys
 
-__all__ = ["MMAP_THRESHOLD_MAX", "glibc", "malloc_trim", "set_malloc_thresholds", "why_not_glibc"]
+__all__ = ["MMAP_THRESHOLD_MAX", "glibc", "malloc_library", "malloc_trim", "set_malloc_thresholds", "why_not_glibc"]
 
 # mallopt parameter numbers from glibc's <malloc.h>
 M_TRIM_THRESHOLD = -1
@@ -40,10 +42,52 @@ M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD_MAX = 32 * 2**20
 
 
+class _DlInfo(ctypes.Structure):
+    _fields_ = [
+        ("dli_fname", ctypes.c_char_p),
+        ("dli_fbase", ctypes.c_void_p),
+        ("dli_sname", ctypes.c_char_p),
+        ("dli_saddr", ctypes.c_void_p),
+    ]
+
+
+@functools.cache
+def malloc_library() -> str | None:
+    """The file name of the library whose ``malloc`` this process calls (``libc.so.6``, ``libjemalloc.so.2``, ...).
+
+    The symbol as the dynamic linker resolves it for the process (an ``LD_PRELOAD`` library comes first), located
+    with ``dladdr``. ``None`` where that cannot be asked (not Linux, no ``dladdr``).
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        process = ctypes.CDLL(None)
+        dladdr = process.dladdr  # in libc since glibc 2.34, in libdl before
+    except AttributeError:
+        try:
+            dladdr = ctypes.CDLL("libdl.so.2").dladdr
+        except (OSError, AttributeError):
+            return None
+    except OSError:
+        return None
+    dladdr.argtypes = [ctypes.c_void_p, ctypes.POINTER(_DlInfo)]
+    dladdr.restype = ctypes.c_int
+    info = _DlInfo()
+    if not dladdr(ctypes.cast(process.malloc, ctypes.c_void_p), ctypes.byref(info)) or not info.dli_fname:
+        return None
+    return os.path.basename(info.dli_fname.decode(errors="replace"))
+
+
+def _malloc_is_not_libc() -> bool:
+    name = malloc_library()
+    return name is not None and not name.startswith("libc.")
+
+
 @functools.cache
 def glibc() -> ctypes.CDLL | None:
-    """The running process's C library when it is glibc (it has ``malloc_trim`` and ``mallopt``), else ``None``."""
-    if not sys.platform.startswith("linux"):
+    """The running process's C library when it is glibc and serves ``malloc`` (so ``malloc_trim`` and ``mallopt``
+    act on the heap tensors come from), else ``None``."""
+    if not sys.platform.startswith("linux") or _malloc_is_not_libc():
         return None
     try:
         libc = ctypes.CDLL(None)  # the symbols already loaded into this process, libc among them
@@ -65,6 +109,11 @@ def why_not_glibc() -> str:
         return ""
     if not sys.platform.startswith("linux"):
         return f"the C library of {platform.system() or sys.platform} is not glibc"
+    if _malloc_is_not_libc():
+        return (
+            f"malloc is {malloc_library()}'s, not glibc's, so glibc's malloc_trim/mallopt do not reach the memory "
+            "tensors come from (that allocator's own settings do)"
+        )
     name = platform.libc_ver()[0] or "unknown"
     return f"this Linux runs on a C library other than glibc ({name}), which has no malloc_trim/mallopt"
 
