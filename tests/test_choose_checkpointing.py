@@ -137,6 +137,19 @@ def test_fit_report_names_the_chosen_every_n_layers_and_its_recompute(folder, pe
     assert [c.every_n_layers for c in checkpointing] == [3]
 
 
+@pytest.mark.slow  # estimates
+def test_with_every_kth_layer_already_checkpointed_the_report_proposes_a_denser_k(folder, peaks, calls):
+    method = _method(folder)
+    budget = (peaks[3] + peaks[4]) // 2  # on every 4th layer (2 of 8) the step is over; every 3rd fits
+    estimate = fit.estimate_step(method, **SETTINGS, activation_checkpointing=4)
+    fits, text = fit_report(method, estimate, budget, {**SETTINGS, "activation_checkpointing": 4})
+    assert not fits
+    line = next(ln for ln in text.splitlines() if "- activation_checkpointing:" in ln)
+    assert ", fits; set every_n_layers: 3 on the ActivationCheckpointing callback, instead of 4" in line
+    assert "recomputes 3 of 8 layers" in line
+    assert f"saves {fit.format_bytes(peaks[4] - peaks[3])}" in line
+
+
 @pytest.mark.slow  # two real training steps under the memory profiler
 def test_a_real_step_with_the_chosen_k_stays_within_the_budget(folder, peaks, calls, tmp_path):
     torch.manual_seed(0)

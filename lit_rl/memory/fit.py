@@ -115,7 +115,7 @@ def _tactics(baseline: Estimate) -> dict[str, dict[str, Any]]:
 
     s = baseline.settings
     changes: dict[str, dict[str, Any]] = {}
-    if not s["activation_checkpointing"]:
+    if s["activation_checkpointing"] != 1:  # off, or every k-th layer: more layers can be checkpointed
         changes["activation_checkpointing"] = {"activation_checkpointing": 1}
     if s["micro_batch_size"] > 1:
         changes["micro_batch"] = {"micro_batch_size": max(1, s["micro_batch_size"] // 2)}
@@ -147,9 +147,9 @@ def fit_report(
     if fits or not tactics:
         return fits, "\n".join(lines)
     results = _tactic_estimates(module, estimate, settings)
-    every = 1
+    every, current = 1, estimate.settings["activation_checkpointing"]
     if "activation_checkpointing" in results:  # the least checkpointing that fits, rather than every layer
-        known = {0: estimate, 1: results["activation_checkpointing"][1]}
+        known = {current: estimate, 1: results["activation_checkpointing"][1]}
         every = _choose_checkpointing(module, device_bytes, settings, known)[0] or 1
         results["activation_checkpointing"] = (estimate.peak_bytes - known[every].peak_bytes, known[every])
     if not results:
@@ -160,15 +160,17 @@ def fit_report(
     for name in order:
         saved, other = results[name]
         how = TACTICS[name].how.format(value=other.settings["micro_batch_size"])
+        verb = "add"
         if name == "activation_checkpointing":
-            how = _checkpointing_how(how, every, _layer_count(estimate.settings["config"]))
+            how = _checkpointing_how(how, every, _layer_count(estimate.settings["config"]), current)
+            verb = "set" if current else verb
         if saved <= 0:
             lines.append(f"  - {name}: no saving, the peak stays in {other.peak_phase} ({how})")
             continue
         verdict = "fits" if other.peak_bytes <= device_bytes else "still over"
         lines.append(
             f"  - {name}: saves {format_bytes(saved)} -> peak {format_bytes(other.peak_bytes)} "
-            f"({other.peak_phase}), {verdict}; add {how}"
+            f"({other.peak_phase}), {verdict}; {verb} {how}"
         )
     if any(other.peak_bytes <= device_bytes for _, other in results.values()):
         return fits, "\n".join(lines)
@@ -188,9 +190,12 @@ def fit_report(
     return fits, "\n".join(lines)
 
 
-def _checkpointing_how(how: str, every: int, layers: int) -> str:
-    """The fragment with ``every_n_layers`` (the fragment's last callback is the one it adds) and what it costs."""
-    if every > 1:
+def _checkpointing_how(how: str, every: int, layers: int, current: int = 0) -> str:
+    """The fragment with ``every_n_layers`` (the fragment's last callback is the one it adds) and what it costs;
+    with checkpointing already on every ``current``-th layer, the value to set on that callback instead."""
+    if current:
+        how = f"every_n_layers: {every} on the ActivationCheckpointing callback, instead of {current}"
+    elif every > 1:
         how += f" --trainer.callbacks.init_args.every_n_layers {every}"
     n = checkpointed_layers(layers, every)
     return (
