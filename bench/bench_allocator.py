@@ -82,8 +82,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# runnable from a checkout without `pip install -e .`
+# runnable from a checkout without `pip install -e .`, with the sibling module this one uses
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from child_process import ChildFailed, report, run_measured  # noqa: E402
 
 GIB = 2**30
 MARK = "BENCH_ALLOCATOR "
@@ -374,22 +377,15 @@ def run_child(workload: str, option: str, profile: bool = False, library: Path |
         cmd.append("--profile")
     label = f"{workload} / {option}{' (tensor profile)' if profile else ''}"
     print(f"[bench] {label} ...", file=sys.stderr, flush=True)
-    load0, start = os.getloadavg()[0], time.perf_counter()
-    with tempfile.TemporaryFile("w+") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
-        _, status, usage = os.wait4(proc.pid, 0)
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        log.seek(0)
-        text = log.read()
-    if proc.returncode != 0:
-        raise RuntimeError(f"{label} failed (exit {proc.returncode}):\n{text[-4000:]}")
-    result = json.loads(next(ln for ln in reversed(text.splitlines()) if ln.startswith(MARK))[len(MARK) :])
-    result |= {"peak_rss": usage.ru_maxrss * 1024, "wall": time.perf_counter() - start}
-    result["load"] = (load0, os.getloadavg()[0])
+    try:
+        run = run_measured(cmd, MARK, env)
+    except ChildFailed as err:
+        raise RuntimeError(f"{label} failed (exit {err.code}):\n{err.output[-4000:]}") from None
+    result = run.result | {"peak_rss": run.peak_rss, "wall": run.wall, "load": run.load}
     wall, cpu = (", ".join(f"{t:.1f}" for t in result[k]) for k in ("times", "cpu"))
     print(
         f"[bench] {label}: peak RSS {result['peak_rss'] / GIB:.2f} GiB, steps {wall} s wall, {cpu} s CPU, "
-        f"load {load0:.1f} -> {result['load'][1]:.1f}",
+        f"load {run.load[0]:.1f} -> {run.load[1]:.1f}",
         file=sys.stderr,
         flush=True,
     )
@@ -506,10 +502,10 @@ def main(argv: list[str] | None = None) -> str | None:
     p.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.probe:
-        print(MARK + json.dumps(allocator_in_process()), flush=True)
+        report(MARK, allocator_in_process())
         return None
     if args.child:
-        print(MARK + json.dumps(child(args)), flush=True)
+        report(MARK, child(args))
         return None
     args.argv = argv
     if args.quick:

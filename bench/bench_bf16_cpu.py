@@ -41,7 +41,6 @@ import platform
 import shlex
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -54,6 +53,7 @@ sys.path.insert(0, str(ROOT))  # runnable from a checkout without `pip install -
 
 from bench_intuitor import git_commit, mean  # noqa: E402
 from bench_quantize import cpu_flags, versions  # noqa: E402
+from child_process import ChildFailed, report, run_measured  # noqa: E402
 from plot_run import read_scalar_events  # noqa: E402
 
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
@@ -167,18 +167,12 @@ def run_child(args: argparse.Namespace, precision: str, root: Path, profile: boo
            "--config", args.config, "--threads", threads]  # fmt: skip
     cmd += ["--quick"] * args.quick + ["--profile"] * profile
     print(f"+ {shlex.join(cmd)}", file=sys.stderr, flush=True)
-    load0, start = os.getloadavg()[0], time.perf_counter()
-    with open(root / "fit.log", "w+") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-        _, status, usage = os.wait4(proc.pid, 0)
-        log.seek(0)
-        text = log.read()
-    code = os.waitstatus_to_exitcode(status)
-    if code != 0:
-        raise SystemExit(f"{shlex.join(cmd)} failed ({code}); its output is in {root}/fit.log")
-    result = json.loads(next(ln for ln in reversed(text.splitlines()) if ln.startswith(MARK))[len(MARK) :])
-    result |= {"peak_rss": usage.ru_maxrss * 1024, "wall": time.perf_counter() - start}
-    result |= {"load_before": load0, "load_after": os.getloadavg()[0]}
+    try:
+        run = run_measured(cmd, MARK, env, log=root / "fit.log")
+    except ChildFailed as err:
+        raise SystemExit(f"{shlex.join(cmd)} failed ({err.code}); its output is in {root}/fit.log") from None
+    result = run.result | {"peak_rss": run.peak_rss, "wall": run.wall}
+    result |= {"load_before": run.load[0], "load_after": run.load[1]}
     shown_root = root.relative_to(ROOT) if root.is_relative_to(ROOT) else root
     result["command"] = shlex.join(["lit-rl", "fit", *fit_args(args, precision, shown_root, profile)])
     return result
@@ -350,7 +344,7 @@ def main(argv: list[str] | None = None) -> str | None:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
     if args.child:
-        print(MARK + json.dumps(child(args)), flush=True)
+        report(MARK, child(args))
         return None
     store = args.out / "json"
     store.mkdir(parents=True, exist_ok=True)

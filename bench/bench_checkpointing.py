@@ -47,7 +47,6 @@ import os
 import platform
 import shlex
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -55,7 +54,10 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+sys.path.insert(0, str(HERE))  # the sibling module this one uses
 sys.path.insert(0, str(ROOT))  # runnable from a checkout without `pip install -e .`
+
+from child_process import ChildFailed, report, run_measured  # noqa: E402
 
 GIB = 2**30
 MIB = 2**20
@@ -172,20 +174,14 @@ def run_child(args: argparse.Namespace, workload: str, every: int) -> dict:
     cmd += ["--steps", str(args.steps)] + (["--quick"] if args.quick else [])
     label = f"{workload} / every_n_layers {every or 'off'}"
     print(f"[bench] {label} ...", file=sys.stderr, flush=True)
-    load0, start = os.getloadavg()[0], time.perf_counter()
-    with tempfile.TemporaryFile("w+") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
-        _, status, usage = os.wait4(proc.pid, 0)
-        log.seek(0)
-        text = log.read()
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise RuntimeError(f"{label} failed (exit {os.waitstatus_to_exitcode(status)}):\n{text[-4000:]}")
-    result = json.loads(next(ln for ln in reversed(text.splitlines()) if ln.startswith(MARK))[len(MARK) :])
-    result |= {"lifetime_rss": usage.ru_maxrss * 1024, "wall": time.perf_counter() - start}
-    result["load"] = (load0, os.getloadavg()[0])
+    try:
+        run = run_measured(cmd, MARK, env)
+    except ChildFailed as err:
+        raise RuntimeError(f"{label} failed (exit {err.code}):\n{err.output[-4000:]}") from None
+    result = run.result | {"lifetime_rss": run.peak_rss, "wall": run.wall, "load": run.load}
     times = ", ".join(f"{s['seconds']:.1f}{'*' if s['profiled'] else ''}" for s in result["steps"])
     print(f"[bench] {label}: tensor peak {max(result['peaks'].values()) / MIB:.1f} MiB, steps {times} s "
-          f"(* profiled), load {load0:.1f} -> {result['load'][1]:.1f}", file=sys.stderr, flush=True)  # fmt: skip
+          f"(* profiled), load {run.load[0]:.1f} -> {run.load[1]:.1f}", file=sys.stderr, flush=True)  # fmt: skip
     return result
 
 
@@ -333,7 +329,7 @@ def main(argv: list[str] | None = None) -> str | None:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
     if args.child:
-        print(MARK + json.dumps(child(args)), flush=True)
+        report(MARK, child(args))
         return None
     saved_path = args.out.with_suffix(".json")
     if args.reuse:
