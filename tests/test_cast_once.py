@@ -10,13 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
+from test_decode import EOS, PAD, _prompts
 from transformers import GenerationConfig
 
 from lit_rl.models.cast_once import linear_weights_cast_once
 from lit_rl.models.decode import decode, sampling_settings
 from lit_rl.models.tiny import tiny_model
-
-EOS, PAD = 2, 0
 
 
 def _autocast():
@@ -29,13 +28,6 @@ def _lora(model):
         if "lora_B" in name:
             torch.nn.init.normal_(parameter, std=0.5, generator=torch.Generator().manual_seed(len(name)))
     return model
-
-
-def _prompts():
-    ids = torch.randint(3, 128, (3, 7), generator=torch.Generator().manual_seed(0))
-    mask = torch.ones_like(ids)
-    mask[1, :3] = 0
-    return ids.masked_fill(mask == 0, PAD), mask
 
 
 @pytest.mark.parametrize("lora", [False, True])

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import lightning as L
 import pytest
 import torch
 
@@ -151,7 +150,7 @@ def test_with_every_kth_layer_already_checkpointed_the_report_proposes_a_denser_
 
 
 @pytest.mark.slow  # two real training steps under the memory profiler
-def test_a_real_step_with_the_chosen_k_stays_within_the_budget(folder, peaks, calls, tmp_path):
+def test_a_real_step_with_the_chosen_k_stays_within_the_budget(folder, peaks, calls, quiet_trainer):
     torch.manual_seed(0)
     method = _method(folder)
     budget = (peaks[3] + peaks[4]) // 2
@@ -159,14 +158,9 @@ def test_a_real_step_with_the_chosen_k_stays_within_the_budget(folder, peaks, ca
     assert chosen == 3
     method.eos_ids = lambda: [method.policy.get_output_embeddings().weight.shape[0]]  # never sampled: full length
     profiler = MemoryProfiler(predict=False, rates=None)
-    trainer = L.Trainer(
+    trainer = quiet_trainer(
         max_steps=2,  # the second step holds AdamW's state, the steady state the estimate predicts
-        accelerator="cpu",
         logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
         callbacks=[profiler, ActivationCheckpointing(every_n_layers=chosen)],
     )
     trainer.fit(method, PromptDataModule(num_prompts=16, batch_size=2, max_prompt_length=64))

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_decode import EOS, PAD, _generate, _prompts
 from torch._dynamo.utils import counters
 from transformers import AutoModelForCausalLM, GenerationConfig, MistralConfig
 
@@ -34,24 +35,7 @@ from lit_rl.models.decode import decode, sampling_settings
 from lit_rl.models.shared_prompt import shared_prefill
 from lit_rl.models.tiny import tiny_model
 
-EOS = 2
-PAD = 0
 ROWS = 6  # every compiled test uses 6 rows and a 64-position cache: one graph per architecture
-
-
-def _prompts(rows: int = ROWS, length: int = 7, vocab: int = 128, seed: int = 0):
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, vocab, (rows, length), generator=gen)
-    mask = torch.ones_like(ids)
-    mask[1, :3] = 0  # left padding
-    ids = ids.masked_fill(mask == 0, PAD)
-    return ids, mask
-
-
-def _generate(model, ids, mask, seed: int, eos=(EOS,), cache=None, **config):
-    torch.manual_seed(seed)
-    config = GenerationConfig(pad_token_id=PAD, eos_token_id=list(eos), use_cache=True, **config)
-    return model.eval().generate(input_ids=ids, attention_mask=mask, generation_config=config, past_key_values=cache)
 
 
 def _compiled(model, ids, mask, seed: int, eos=(EOS,), cache=None, step=None, **config):
@@ -85,7 +69,7 @@ def test_static_capacity_rounds_up_to_a_multiple():
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_compiled_logits_are_close_and_greedy_tokens_equal_generate(arch):
     model = tiny_model(arch, seed=5).eval()
-    ids, mask = _prompts()
+    ids, mask = _prompts(ROWS)
     config = GenerationConfig(
         do_sample=False, max_new_tokens=8, pad_token_id=PAD, eos_token_id=[EOS], output_logits=True,
         return_dict_in_generate=True,
@@ -103,7 +87,7 @@ def test_compiled_logits_are_close_and_greedy_tokens_equal_generate(arch):
 @pytest.mark.slow
 def test_sampled_rows_that_end_at_different_steps_equal_generate():
     model = tiny_model("llama", seed=3).eval()
-    ids, mask = _prompts()
+    ids, mask = _prompts(ROWS)
     sampling = dict(do_sample=True, temperature=0.7, top_k=20, top_p=0.9, min_new_tokens=2)
     first_run = _generate(model, ids, mask, 5, max_new_tokens=30, **sampling)[:, ids.shape[1] :]
     counts = torch.bincount(first_run.flatten(), minlength=128)
@@ -140,16 +124,16 @@ def test_shared_prefill_is_copied_into_the_static_cache():
 def test_one_compilation_per_shape_reused_across_rollouts_and_models():
     model = tiny_model("llama", seed=8).eval()
     greedy = dict(eos=[EOS], pad_id=PAD, do_sample=False)
-    ids, mask = _prompts()
+    ids, mask = _prompts(ROWS)
     compiled_decode(model, ids, mask, max_new_tokens=6, **greedy)
     assert list(compile_seconds(model)) == [(ROWS, 64, torch.float32, torch.device("cpu"))]
     graphs = counters["stats"]["unique_graphs"]
     for length, new in ((5, 9), (11, 30), (3, 4)):  # other prompt and completion lengths, the same 64 positions
-        ids, mask = _prompts(length=length, seed=length)
+        ids, mask = _prompts(ROWS, length=length, seed=length)
         expected = _generate(model, ids, mask, 0, max_new_tokens=new, do_sample=False)
         assert torch.equal(compiled_decode(model, ids, mask, max_new_tokens=new, **greedy), expected)
     other = tiny_model("llama", seed=9).eval()  # the same structure: its weights are the graph's inputs
-    ids, mask = _prompts()
+    ids, mask = _prompts(ROWS)
     expected = _generate(other, ids, mask, 0, max_new_tokens=6, do_sample=False)
     assert torch.equal(compiled_decode(other, ids, mask, max_new_tokens=6, **greedy), expected)
     assert counters["stats"]["unique_graphs"] == graphs, "a rollout of a known shape recompiled"
@@ -164,7 +148,7 @@ def test_lora_policy_updated_in_place_keeps_its_graph():
     for p in trainable:
         torch.nn.init.normal_(p, std=0.05)  # adapters that change the logits
     model.eval()
-    ids, mask = _prompts(vocab=90)
+    ids, mask = _prompts(ROWS, vocab=90)
     config = dict(do_sample=True, temperature=0.7, top_k=0, top_p=1.0, max_new_tokens=10)
     graphs = None
     for seed in range(3):
@@ -188,7 +172,7 @@ def test_a_failing_compile_falls_back_to_the_eager_loop(monkeypatch):
     monkeypatch.setattr(compiled_module, "_compiled", {})
     monkeypatch.setattr(torch, "compile", broken)
     model = tiny_model("llama", seed=10).eval()
-    ids, mask = _prompts()
+    ids, mask = _prompts(ROWS)
     config = dict(do_sample=True, temperature=0.9, top_k=0, top_p=1.0, max_new_tokens=6)
     expected = _generate(model, ids, mask, 1, **config)
     assert torch.equal(_compiled(model, ids, mask, 1, **config), expected)  # the prefill kept, the RNG untouched

@@ -43,9 +43,9 @@ def _prompts(rows: int = 3, length: int = 7, vocab: int = 128, seed: int = 0):
     return ids, mask
 
 
-def _generate(model, ids, mask, seed: int, cache=None, **config):
+def _generate(model, ids, mask, seed: int, eos=(EOS,), cache=None, **config):
     torch.manual_seed(seed)
-    config = GenerationConfig(pad_token_id=PAD, eos_token_id=[EOS], use_cache=True, **config)
+    config = GenerationConfig(pad_token_id=PAD, eos_token_id=list(eos), use_cache=True, **config)
     return model.eval().generate(input_ids=ids, attention_mask=mask, generation_config=config, past_key_values=cache)
 
 
