@@ -67,8 +67,9 @@ def main(argv: list[str] | None = None) -> str:
         "--before", help="also run the code and config of this git commit (e.g. the one before a change)"
     )
     parser.add_argument(
-        "--skip-unshared", action="store_true", help="leave out the share_prompt false variant (with --before: this "
-        "checkout against that commit only)"
+        "--skip-unshared",
+        action="store_true",
+        help="leave out the share_prompt false variant (with --before: this checkout against that commit only)",
     )
     parser.add_argument("--out", help="also write the markdown here")
     parser.add_argument("extra", nargs="*", help="more lit-rl fit arguments, after --")
