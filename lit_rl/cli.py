@@ -301,6 +301,8 @@ def quiet_lightning() -> None:
       ``rank_zero_info`` writes to;
     - the ``FutureWarning`` torch raises when Lightning's ``utilities/_pytree.py`` builds a ``LeafSpec``
       (Lightning's own code, nothing a user can act on), matched by category and module as torch does itself;
+    - the ``FutureWarning`` transformers >= 5.24 raises when peft reads ``is_gradient_checkpointing`` while it wraps
+      a model for LoRA (peft's code, not the run's);
     - bitsandbytes' warning, on import (peft imports it for every LoRA run once it is installed), that the optional
       ``kernels`` package with a faster CPU decode kernel is absent: lit-rl never uses that kernel.
     """
@@ -308,6 +310,8 @@ def quiet_lightning() -> None:
     if not any(isinstance(f, _DropLightningNoise) for f in logger.filters):
         logger.addFilter(_DropLightningNoise())
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"lightning\.pytorch\.utilities\._pytree")
+    # peft reads `model.is_gradient_checkpointing` when it wraps a model, a property transformers >= 5.24 deprecates
+    warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
     bnb = logging.getLogger("bitsandbytes.backends.cpu.ops")
     if not any(isinstance(f, _DropOptionalKernelNotice) for f in bnb.filters):
         bnb.addFilter(_DropOptionalKernelNotice())

@@ -1,4 +1,5 @@
-"""Shared test helpers: a logger that keeps what was logged, an isolated model cache, and the test tiers.
+"""Shared test helpers: a logger that keeps what was logged, Lightning's log lines, an isolated model cache, and the
+test tiers.
 
 Tiers (markers registered in pyproject.toml): ``slow`` tests take more than a couple of seconds, ``bench`` tests run a
 ``bench/`` script and ``multiprocess`` tests start several processes; the last two are always also ``slow``, so
@@ -6,6 +7,8 @@ Tiers (markers registered in pyproject.toml): ``slow`` tests take more than a co
 """
 
 from __future__ import annotations
+
+import logging
 
 import pytest
 from lightning.pytorch import Trainer
@@ -46,6 +49,53 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 @pytest.fixture
 def capture_logger() -> CaptureLogger:
     return CaptureLogger()
+
+
+class _KeepRecords(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@pytest.fixture
+def lightning_log():
+    """The messages of the INFO (and higher) records that reach ``lightning.pytorch``'s logger, in order.
+
+    Lightning's logger stops propagating when the root logger had no handler at import time, and pytest's ``caplog``
+    handles that differently across releases (9.1 attaches its handler to every non-propagating logger, so a test
+    that also forced propagation saw each line twice). This handler sits on Lightning's logger itself, so each record
+    is kept exactly once whatever pytest does. ``rank_zero_info`` and lit-rl's own lines log under this logger.
+    """
+    logger = logging.getLogger("lightning.pytorch")
+    handler, level = _KeepRecords(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(min(level or logging.INFO, logging.INFO))
+    messages = _Messages(handler)
+    try:
+        yield messages
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+class _Messages:
+    """A live view of a handler's messages: ``list(log)``, ``"text" in log.text``, ``log.matching("text")``."""
+
+    def __init__(self, handler: _KeepRecords) -> None:
+        self._handler = handler
+
+    def __iter__(self):
+        return (record.getMessage() for record in self._handler.records)
+
+    @property
+    def text(self) -> str:
+        return "\n".join(self)
+
+    def matching(self, part: str) -> list[str]:
+        return [message for message in self if part in message]
 
 
 @pytest.fixture(autouse=True)

@@ -8,7 +8,6 @@ formula registered for the CPU kernel); bytes against the models' own parameters
 from __future__ import annotations
 
 import json
-import logging
 from dataclasses import asdict, replace
 
 import lightning as L
@@ -246,7 +245,7 @@ def test_rerate_puts_the_same_steps_beside_the_best_of_several_rates():
 # ----------------------------------------------------------------------------------------------- the profiler
 
 
-def _fit(tmp_path, rates, caplog):
+def _fit(tmp_path, rates):
     method = RefCachedGRPO(name_or_path="tiny:llama", num_generations=2, max_new_tokens=4)
     data = PromptDataModule(num_prompts=64, batch_size=2, max_prompt_length=64, val_size=0)
     profiler = MemoryProfiler(predict=False, track_tensors=False, rates=rates)
@@ -255,22 +254,16 @@ def _fit(tmp_path, rates, caplog):
         enable_checkpointing=False, limit_val_batches=0, default_root_dir=tmp_path,
         callbacks=[RunLog(progress="never"), profiler],
     )  # fmt: skip
-    logger = logging.getLogger("lightning.pytorch")
-    logger.addHandler(caplog.handler)  # Lightning's logger does not propagate
-    try:
-        with caplog.at_level(logging.INFO):
-            trainer.fit(method, data)
-    finally:
-        logger.removeHandler(caplog.handler)
+    trainer.fit(method, data)
     return method, json.loads((tmp_path / "memory_summary.json").read_text())["roofline"]
 
 
 @pytest.mark.slow  # three tiny fits
-def test_profiler_summary_puts_each_phase_time_beside_its_floor(tmp_path, caplog):
+def test_profiler_summary_puts_each_phase_time_beside_its_floor(tmp_path, lightning_log):
     rates = {"device": "cpu", "bandwidth_bytes_per_s": 1e9,
              "dtypes": {"float32": {"matmul_flops_per_s": 1e9, "skinny_matmul_flops_per_s": 5e8}}}  # fmt: skip
     path = save_rates(rates, tmp_path / "rates.json")
-    method, roofline = _fit(tmp_path / "file", str(path), caplog)
+    method, roofline = _fit(tmp_path / "file", str(path))
     assert roofline["rates"]["source"] == str(path) and roofline["steps"] == [2, 3]  # the first step warms up
     phases = roofline["phases"]
     assert list(phases) == ["rollout", "reference", "policy_forward", "backward", "optimizer"]
@@ -280,19 +273,19 @@ def test_profiler_summary_puts_each_phase_time_beside_its_floor(tmp_path, caplog
         assert entry["floor_s"] == pytest.approx(max(entry["flops"], entry["bytes"]) / 1e9, rel=0.5)
     trainable = sum(p.numel() for p in method.policy.parameters())
     assert phases["optimizer"]["bytes"] == 11 * 4 * trainable and phases["optimizer"]["bound"] == "memory"
-    text = "\n".join(r.getMessage() for r in caplog.records)
+    text = lightning_log.text
     line = next(ln for ln in text.splitlines() if ln.startswith("  time s "))
     assert "rollout " in line and "(floor " in line and "optimizer " in line and str(path) in line
     assert summary_line(roofline) in line
     assert rerate(roofline, load_rates(path), str(path)) == roofline  # the saved steps are enough to redo the floors
 
     # a quick measurement without a file; none at all with null; another device's rates are refused
-    _, measured = _fit(tmp_path / "measure", "measure", caplog)
+    _, measured = _fit(tmp_path / "measure", "measure")
     assert measured["rates"]["source"].startswith("measured") and measured["phases"]["backward"]["floor_s"] > 0
-    _, off = _fit(tmp_path / "off", None, caplog)
+    _, off = _fit(tmp_path / "off", None)
     assert off == {"skipped": "turned off (rates: null)"}
     save_rates({**rates, "device": "cuda"}, path)
-    _, other = _fit(tmp_path / "cuda", str(path), caplog)
+    _, other = _fit(tmp_path / "cuda", str(path))
     assert "cuda rates" in other["skipped"] and "trains on cpu" in other["skipped"]
 
 

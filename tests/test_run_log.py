@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -15,7 +13,7 @@ from lit_rl.data import PromptDataModule
 from lit_rl.methods import RefCachedGRPO
 
 
-def test_run_log_says_where_everything_goes_progress_and_summary(tmp_path, caplog):
+def test_run_log_says_where_everything_goes_progress_and_summary(tmp_path, lightning_log):
     method = RefCachedGRPO(
         name_or_path="tiny:llama", num_generations=2, max_new_tokens=4, metric_funcs=["lit_rl.data.rewards.number_only"]
     )
@@ -27,23 +25,18 @@ def test_run_log_says_where_everything_goes_progress_and_summary(tmp_path, caplo
         callbacks=[RunLog(every_n_steps=2, progress="always"), MemoryProfiler(predict=False),
                    ModelCheckpoint(save_weights_only=True)],
     )  # fmt: skip
-    with caplog.at_level(logging.INFO):
-        logging.getLogger("lightning.pytorch").addHandler(caplog.handler)  # Lightning's logger does not propagate
-        try:
-            trainer.fit(method, data)
-        finally:
-            logging.getLogger("lightning.pytorch").removeHandler(caplog.handler)
-    text = "\n".join(r.getMessage() for r in caplog.records)
+    trainer.fit(method, data)
+    text = lightning_log.text
     log_dir = trainer.log_dir
-    start = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("run: 3 steps"))
+    start = next(m for m in lightning_log if m.startswith("run: 3 steps"))
     assert f"logs         {log_dir}" in start and f"{log_dir}/checkpoints" in start and "memory_summary.json" in start
 
-    progress = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
+    progress = [m for m in lightning_log if m.startswith("step ")]
     assert [line.split(" | ")[0] for line in progress] == ["step 1/3", "step 2/3", "step 3/3"]
     for line in progress:
         assert "reward " in line and "kl " in line and " s/step" in line and "(tensors)" in line, line
 
-    held_out = [r.getMessage() for r in caplog.records if r.getMessage().startswith("held-out after")]
+    held_out = [m for m in lightning_log if m.startswith("held-out after")]
     assert [line.split(":")[0] for line in held_out] == ["held-out after 0 steps", "held-out after 2 steps"]
     assert all("val/correct_answer" in line and "val/number_only" in line for line in held_out)
 

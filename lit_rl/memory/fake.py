@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lit_rl.models import base_model
+from lit_rl.models import base_model, cache_kwargs
 from lit_rl.models.cast_once import linear_weights_cast_once
 from lit_rl.models.compiled_decode import static_capacity
 from lit_rl.models.decode import preallocate
@@ -203,7 +203,8 @@ def fake_generate(
         position_ids = attention_mask.long().cumsum(-1) - 1  # [B, P]
         position_ids = position_ids.masked_fill(attention_mask == 0, 0)
         mask = attention_mask if padded else None
-        cache = kwargs.get("past_key_values")  # a shared prefill: only the uncached prompt tokens run
+        # a shared prefill: only the uncached prompt tokens run
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
         if cache is None:
             cache = DynamicCache(config=base_model(policy).config)
         cached = cache.get_seq_length()
@@ -243,7 +244,7 @@ def fake_generate(
                 input_ids=step_ids.clone(),
                 attention_mask=mask,
                 position_ids=step_positions.clone(),
-                past_key_values=cache,
+                **cache_kwargs(policy, cache),
                 use_cache=True,
                 logits_to_keep=1,
                 return_dict=True,

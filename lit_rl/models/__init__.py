@@ -4,6 +4,7 @@ See :mod:`lit_rl.models.loading` for what ``name_or_path`` accepts and :mod:`lit
 trunk, the head spec and the load-time parity check.
 """
 
+from lit_rl.models.cache_keyword import cache_keyword, cache_kwargs, output_cache
 from lit_rl.models.checkpointing import enable_activation_checkpointing
 from lit_rl.models.head import (
     base_model,
@@ -54,6 +55,8 @@ __all__ = [
     "build_from_config",
     "build_on_meta",
     "cache_dir",
+    "cache_keyword",
+    "cache_kwargs",
     "check_head_parity",
     "check_supported",
     "disable_dropout",
@@ -68,6 +71,7 @@ __all__ = [
     "load_reward_model",
     "load_tokenizer",
     "meta_config",
+    "output_cache",
     "resolve_dtype",
     "resolve_source",
     "score_every_prefix",

@@ -49,6 +49,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from transformers import StaticCache
 from transformers.cache_utils import StaticLayer
 
+from lit_rl.models.cache_keyword import cache_kwargs
 from lit_rl.models.decode import decode, decode_unsupported, weights_are_real
 from lit_rl.models.head import base_model
 
@@ -72,7 +73,7 @@ def _one_token(model, cache, tokens: torch.Tensor, mask: torch.Tensor, positions
         input_ids=tokens,  # [B, 1]
         attention_mask=mask,  # [B, capacity]
         position_ids=positions,  # [B, 1]
-        past_key_values=cache,
+        **cache_kwargs(model, cache),
         use_cache=True,
         logits_to_keep=1,
         return_dict=True,

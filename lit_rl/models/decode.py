@@ -45,6 +45,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from transformers import DynamicCache, DynamicLayer, GenerationConfig
 
+from lit_rl.models.cache_keyword import cache_kwargs
 from lit_rl.models.cast_once import linear_weights_cast_once
 from lit_rl.models.head import base_model
 
@@ -266,7 +267,7 @@ def decode(
                     input_ids=sequences[:, cached:length],
                     attention_mask=mask[:, :length] if keep_mask else None,
                     position_ids=positions[:, cached:length],
-                    past_key_values=cache,
+                    **cache_kwargs(model, cache),
                     use_cache=True,
                     logits_to_keep=1,
                     return_dict=True,

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 
+from lit_rl.models.cache_keyword import cache_kwargs
 from lit_rl.models.head import base_model, trunk, trunk_hidden
 
 _LAYOUT_KWARG = "lit_rl_prompt_layout"
@@ -126,7 +127,7 @@ def shared_prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
         input_ids=input_ids[:, :-1],
         attention_mask=attention_mask[:, :-1],
         position_ids=position_ids[:, :-1],
-        past_key_values=cache,
+        **cache_kwargs(trunk(model), cache),
         use_cache=True,
     )
     cache.batch_repeat_interleave(repeats)
@@ -248,7 +249,7 @@ def shared_prompt_unsupported(model) -> str | None:
                 input_ids=ids[:, p - 1 : p],
                 attention_mask=mask[:, :p],
                 position_ids=position,
-                past_key_values=cache,
+                **cache_kwargs(trunk(hf), cache),
                 use_cache=True,
             )[0][:, -1].double()  # [6, H]
     except (NotImplementedError, RuntimeError, TypeError, ValueError, AttributeError) as err:

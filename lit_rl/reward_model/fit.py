@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from lit_rl.models import trunk
+from lit_rl.models import cache_kwargs, trunk
 
 
 def pad(seqs: list[list[int]], pad_id: int, *, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,7 +76,7 @@ def extract_features(
                 input_ids=ids.to(device),
                 attention_mask=prompt_mask,
                 position_ids=position_ids,
-                past_key_values=cache,
+                **cache_kwargs(body, cache),
                 use_cache=True,
             )[1]
             rows = [(row, c) for row, (_, cs) in enumerate(chunk) for c in cs]
@@ -103,7 +103,7 @@ def _completion_features(body, prompt_cache, prompt_mask, rows, pad_id):
         input_ids=ids,
         attention_mask=mask,
         position_ids=(mask.cumsum(-1) - 1)[:, prompt_mask.shape[1] :],
-        past_key_values=cache,
+        **cache_kwargs(body, cache),
         use_cache=True,
     )[0].float()  # [n, C, H]
     lengths = cmask.sum(-1)  # [n]
