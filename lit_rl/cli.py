@@ -33,10 +33,11 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import lightning as L
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar, RichProgressBar
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities import rank_zero_info
 
+from lit_rl.callbacks import StepProgressBar
 from lit_rl.cli_errors import OptionParser, check_checkpoint, check_command, check_run_arguments, explain_error
 from lit_rl.memory.estimate import BUILTIN_SHAPES, Estimate, estimate_step, parse_bytes, settings_from
 from lit_rl.memory.fit import fit_report
@@ -61,8 +62,12 @@ class LitRLCLI(LightningCLI):
         kwargs.setdefault("auto_configure_optimizers", False)  # each method configures its own optimizer
         # checkpoints streamed to disk, not built in memory first (lit_rl/callbacks/checkpoint_io.py says why here);
         # unlike a callback in trainer_defaults this is a parser default: --print_config and the saved config show it
+        # Lightning's model summary has a FLOPs column that is zero for every RL method (it counts FLOPs only for an
+        # example_input_array); RunLog's first line gives the parameter counts instead. --trainer.enable_model_summary
+        # true brings it back
         kwargs["trainer_defaults"] = {
             "plugins": [{"class_path": "lit_rl.callbacks.StreamingCheckpointIO"}],
+            "enable_model_summary": False,
             **(kwargs.get("trainer_defaults") or {}),
         }
         super().__init__(RLMethod, L.LightningDataModule, *args, **kwargs)
@@ -81,6 +86,17 @@ class LitRLCLI(LightningCLI):
         if not named:
             check_checkpoint(ckpt_path)
 
+    def instantiate_trainer(self, **kwargs: Any) -> L.Trainer:
+        """Lightning's Trainer, with :class:`~lit_rl.callbacks.StepProgressBar` in place of Lightning's default rich
+        bar (which draws ``Epoch 0/-2`` in a run bounded by steps); a progress bar the config names is kept."""
+        # read before Lightning appends its default bar to the same list the config holds
+        configured = _configured(self.config_init.get(self.subcommand, self.config_init))
+        trainer = super().instantiate_trainer(**kwargs)
+        bar = trainer.progress_bar_callback
+        if type(bar) is RichProgressBar and not configured:
+            trainer.callbacks[trainer.callbacks.index(bar)] = StepProgressBar()
+        return trainer
+
     def before_instantiate_classes(self) -> None:
         # checked before any model is loaded or any log folder is made, so a typo costs nothing
         config = self.config.get(self.subcommand) if self.subcommand else self.config
@@ -88,6 +104,12 @@ class LitRLCLI(LightningCLI):
             # a checkpoint is read as tensors and plain containers, never unpickled code, whatever torch's default
             config["weights_only"] = True
         _drop_checkpoint_callbacks(config.get("trainer"))
+
+
+def _configured(config: Any) -> bool:
+    """Whether the instantiated config's ``trainer.callbacks`` holds a progress bar of the user's."""
+    callbacks = (config.get("trainer") or {}).get("callbacks") or []
+    return any(isinstance(c, ProgressBar) for c in (callbacks if isinstance(callbacks, list) else [callbacks]))
 
 
 def _drop_checkpoint_callbacks(trainer: Any) -> None:

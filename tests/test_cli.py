@@ -167,3 +167,27 @@ def test_a_run_prints_no_lightning_banner_advert_or_deprecation_notice(tmp_path)
     for noise in ("GPU available", "TPU available", "litlogger", "LeafSpec", "kernels-community", "FutureWarning"):
         assert noise not in output, output
     assert "run finished after 1 steps" in output  # lit-rl's own lines stay
+
+
+def test_a_step_bounded_run_draws_steps_not_epoch_minus_two_and_no_zero_flops_summary(tmp_path):
+    from lightning.pytorch.callbacks import RichProgressBar
+
+    from lit_rl.callbacks import StepProgressBar
+
+    base = ["--config", str(ROOT / "configs/grpo_tiny.yaml"), "--trainer.default_root_dir", str(tmp_path)]
+    cli = LitRLCLI(args=base, run=False)
+    bar = cli.trainer.progress_bar_callback
+    assert type(bar) is StepProgressBar
+    bar.setup(cli.trainer, cli.model, "fit")  # as Lightning does; during fit a step-bounded run has max_epochs -1
+    cli.trainer.fit_loop.max_epochs = -1
+    assert bar._get_train_description(0).strip() == "epoch 0, max_steps 3"
+    assert not any(type(c).__name__.endswith("ModelSummary") for c in cli.trainer.callbacks)  # its FLOPs are all 0
+
+    # a bar the config names is kept; an epoch-bounded run keeps Lightning's wording; no bar stays no bar
+    named = LitRLCLI(args=[*base, "--trainer.callbacks+", "lightning.pytorch.callbacks.RichProgressBar"], run=False)
+    assert type(named.trainer.progress_bar_callback) is RichProgressBar
+    epochs = LitRLCLI(args=[*base, "--trainer.max_steps", "-1", "--trainer.max_epochs", "2"], run=False)
+    epochs.trainer.progress_bar_callback.setup(epochs.trainer, epochs.model, "fit")
+    assert epochs.trainer.progress_bar_callback._get_train_description(0).strip() == "Epoch 0/1"
+    off = LitRLCLI(args=[*base, "--trainer.enable_progress_bar", "false"], run=False)
+    assert off.trainer.progress_bar_callback is None

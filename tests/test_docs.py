@@ -117,3 +117,10 @@ def test_docs_pages_open_with_what_the_reader_gets():
     assert not thin, "docs pages that do not open with a title and a sentence on what the reader gets: " + ", ".join(
         thin
     )
+
+
+def test_the_methods_page_lists_every_config():
+    table = (ROOT / "docs/methods.md").read_text()
+    listed = set(re.findall(r"^\| \[`configs/([\w.]+\.yaml)`\]", table, re.M))
+    shipped = {path.name for path in (ROOT / "configs").glob("*.yaml")}
+    assert shipped - listed == set(), f"docs/methods.md's config table lacks {sorted(shipped - listed)}"

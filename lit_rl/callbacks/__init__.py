@@ -7,6 +7,7 @@ from lit_rl.callbacks.checkpoint_io import StreamingCheckpointIO
 from lit_rl.callbacks.empty_cache import EmptyCache
 from lit_rl.callbacks.memory_profiler import MemoryProfiler
 from lit_rl.callbacks.oom_report import OOMReport
+from lit_rl.callbacks.progress_bar import StepProgressBar
 from lit_rl.callbacks.run_log import RunLog
 
-__all__ = ["ActivationCheckpointing", "EmptyCache", "MemoryProfiler", "OOMReport", "RunLog", "StreamingCheckpointIO"]
+__all__ = ["ActivationCheckpointing", "EmptyCache", "MemoryProfiler", "OOMReport", "RunLog", "StepProgressBar", "StreamingCheckpointIO"]
