@@ -12,9 +12,9 @@ Most of the line comes from structured checks, never from another library's word
 
 What is left is a value jsonargparse refuses while parsing (a wrong type, a value outside a ``Literal``, an
 option a class does not take, a class path that does not import). jsonargparse names the field only in the
-text of its message, so :func:`read_jsonargparse_message` is the one place that reads that text; the
-jsonargparse versions whose wording it reads are the ones pinned in ``pyproject.toml``, and
-``tests/test_errors.py`` fails on a version whose wording changed.
+text of its message, so :func:`read_jsonargparse_message` is the one place that reads that text. The range in
+``pyproject.toml`` is the releases ``tests/test_errors.py`` passed on (``constraints.txt`` pins the one CI runs);
+on a release whose wording it cannot read, the answer is jsonargparse's own message on one line, so nothing is lost.
 """
 
 from __future__ import annotations
@@ -234,7 +234,7 @@ def read_jsonargparse_message(message: str) -> JsonargparseReport:
 
     jsonargparse reports a nested refusal as text only: ``Parser key "model": ... Problem with given
     class_path 'X': Parser key "loss_type": Expected a typing.Literal[...]. Got value: ppo``. The wording
-    read here is that of the jsonargparse versions pinned in ``pyproject.toml``.
+    read here is that of the jsonargparse releases ``pyproject.toml`` allows.
 
     Args:
         message: ``str()`` of the ``ArgumentError`` jsonargparse raised.
@@ -281,7 +281,9 @@ def _parse_error(err: argparse.ArgumentError, chain: list[BaseException]) -> str
     if report.unrecognized:
         options = [a for a in report.unrecognized if a.startswith("-")] or report.unrecognized
         return f"{options[0].lstrip('-')}: not an option; {_HELP}"
-    return f"{setting or 'arguments'}: {report.detail}; {_HELP}"
+    if setting:
+        return f"{setting}: {report.detail}; {_HELP}"
+    return f"arguments: {' '.join(str(err).split())}; {_HELP}"  # wording not read: jsonargparse's whole message
 
 
 def _suggest(option: str, class_path: str, section: str) -> str:

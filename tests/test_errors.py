@@ -209,3 +209,13 @@ def test_a_bug_keeps_its_traceback(monkeypatch, tmp_path):
     with pytest.raises(KeyError, match="no such key"):
         main(["fit", "--config", str(GRPO), "--trainer.max_steps", "1", "--trainer.logger", "false",
               "--trainer.callbacks", "[]", "--trainer.default_root_dir", str(tmp_path)])  # fmt: skip
+
+
+def test_a_parse_error_in_wording_lit_rl_cannot_read_is_passed_on_whole_on_one_line():
+    import argparse
+
+    from lit_rl.cli_errors import explain_error
+
+    said = explain_error(argparse.ArgumentError(None, "Something new went wrong:\n  with the value 'x'\n  of a field"))
+    assert said.startswith("arguments: Something new went wrong: with the value 'x' of a field; ")
+    assert "\n" not in said
