@@ -40,8 +40,8 @@ from lit_rl.losses import (
 from lit_rl.memory.phases import BACKWARD, OPTIMIZER
 from lit_rl.memory.rollout import StepWork
 from lit_rl.methods.base import RLMethod
-from lit_rl.methods.evaluation import distinct_bigrams, sample_completions
-from lit_rl.models import head_spec, trunk_hidden
+from lit_rl.methods.evaluation import distinct_bigrams
+from lit_rl.models import head_spec, sample_completions, trunk_hidden
 from lit_rl.models.shared_prompt import group_runs, shared_prompt_hidden, shared_prompt_unsupported
 from lit_rl.ops import TokenStats, token_stats
 from lit_rl.ops.token_math import LOGITS_BUDGET_BYTES, plan_chunks

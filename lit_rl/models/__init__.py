@@ -41,6 +41,7 @@ from lit_rl.models.reward import (
     score_every_prefix,
     soft_embeddings,
 )
+from lit_rl.models.sampling import sample_completions
 
 __all__ = [
     "DTYPES",
@@ -70,6 +71,7 @@ __all__ = [
     "meta_config",
     "resolve_dtype",
     "resolve_source",
+    "sample_completions",
     "score_every_prefix",
     "soft_embeddings",
     "trunk",
