@@ -18,8 +18,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lit_rl.callbacks import EmptyCache, MemoryProfiler
 from lit_rl.data import PromptDataModule
 from lit_rl.memory.estimate import estimate_step
-from lit_rl.memory.phases import BACKWARD, OPTIMIZER
-from lit_rl.methods import RLMethod
+from lit_rl.methods import BACKWARD, OPTIMIZER, RLMethod
 from lit_rl.models import lm_head, trunk
 from lit_rl.ops import selective_log_probs
 
