@@ -228,8 +228,13 @@ class RLMethod(HeldOutEvaluation, TextAndRewards, StandaloneStep, L.LightningMod
     def step_work(self) -> StepWork:
         """The passes a step makes over its rollout, for the roofline: a reference pass if needed, one update."""
         hp, share = self.hparams, bool(getattr(self, "share_prompt", False))
-        return StepWork(self.needs_reference, micro_batch=hp.micro_batch_size, share_prompt=share,
-                        adapters=self.uses_lora, clip=hp.max_grad_norm > 0)  # fmt: skip
+        return StepWork(
+            self.needs_reference,
+            micro_batch=hp.micro_batch_size,
+            share_prompt=share,
+            adapters=self.uses_lora,
+            clip=hp.max_grad_norm > 0,
+        )
 
     def memory_components(self, policy_shape: dict[str, int]) -> list[tuple[str, str, int, str]]:
         """Extra lines for the estimator's component table: ``(name, shape, bytes, note)``; none by default.
