@@ -43,8 +43,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from bench_quantize import versions  # noqa: E402
 
 from lit_rl.data import PromptDataModule  # noqa: E402
-from lit_rl.methods.evaluation import sample_completions  # noqa: E402
-from lit_rl.models import load_causal_lm, load_tokenizer  # noqa: E402
+from lit_rl.models import load_causal_lm, load_tokenizer, sample_completions  # noqa: E402
 from lit_rl.models.compiled_decode import compile_seconds, compile_unsupported  # noqa: E402
 from lit_rl.models.decode import decode_unsupported  # noqa: E402
 

@@ -18,8 +18,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lit_rl.callbacks import EmptyCache, MemoryProfiler
 from lit_rl.data import PromptDataModule
 from lit_rl.memory.estimate import estimate_step
-from lit_rl.memory.phases import BACKWARD, OPTIMIZER
-from lit_rl.methods import RLMethod
+from lit_rl.methods import BACKWARD, OPTIMIZER, RLMethod
 from lit_rl.models import lm_head, trunk
 from lit_rl.ops import selective_log_probs
 
@@ -68,6 +67,94 @@ def test_every_import_points_down_the_layers_and_takes_no_private_name():
             if private:
                 wrong.append(f"{module} imports private {private} from {target}")
     assert not wrong, "\n".join(wrong)
+
+
+def _method_options() -> set[str]:
+    """Every constructor argument of RLMethod and of each method under lit_rl.methods (found by inspection)."""
+    import inspect
+
+    import lit_rl.methods
+
+    found, todo = set(), [RLMethod]
+    while todo:
+        cls = todo.pop()
+        todo += cls.__subclasses__()
+        if cls.__module__.startswith("lit_rl.") and "__init__" in vars(cls):
+            params = inspect.signature(vars(cls)["__init__"]).parameters.values()
+            found |= {p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and p.name != "self"}
+    assert {"beta", "num_iterations", "self_certainty_weight", "gumbel_topk"} <= found, lit_rl.methods.__all__
+    return found
+
+
+# where the policy's config is read from, needed before the method loads any model (lit_rl.models.load_causal_lm's
+# own argument names; the estimator reads them to build the stand-in tokenizer)
+_LOADER_OPTIONS = {"gguf_file", "trust_remote_code"}
+
+
+def _reads_by_name(tree: ast.AST, options: set[str]) -> list[tuple[int, str]]:
+    """``(line, option)`` for every read of a method option by name: through ``hparams`` (``x.hparams.beta``,
+    ``hp["beta"]``, ``hp.get("beta")`` where ``hp`` came from ``hparams``), ``"beta" in ...`` or
+    ``getattr(x, "beta")`` / ``hasattr(x, "beta")`` on anything."""
+
+    def from_hparams(node: ast.AST, tainted: set[str]) -> bool:
+        for sub in ast.walk(node):
+            if isinstance(sub, ast.Attribute) and sub.attr == "hparams":
+                return True
+            if isinstance(sub, ast.Constant) and sub.value == "hparams":
+                return True
+            if isinstance(sub, ast.Name) and sub.id in tainted:
+                return True
+        return False
+
+    tainted: set[str] = set()
+    for node in ast.walk(tree):  # names bound from a module's hparams (hp = dict(module.hparams), ...)
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None and from_hparams(node.value, set()):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            tainted |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+    found = []
+    for node in ast.walk(tree):
+        key = None
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) and node.value.attr == "hparams":
+            key = node.attr
+        elif isinstance(node, ast.Subscript) and from_hparams(node.value, tainted):
+            key = node.slice.value if isinstance(node.slice, ast.Constant) else None
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.args:
+            if node.func.attr == "get" and from_hparams(node.func.value, tainted):
+                key = node.args[0].value if isinstance(node.args[0], ast.Constant) else None
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr"):
+            key = node.args[1].value if len(node.args) > 1 and isinstance(node.args[1], ast.Constant) else None
+        elif isinstance(node, ast.Compare) and isinstance(node.left, ast.Constant):
+            if any(isinstance(op, (ast.In, ast.NotIn)) for op in node.ops):
+                key = node.left.value
+        if isinstance(key, str) and key in options:
+            found.append((node.lineno, key))
+    return sorted(set(found))
+
+
+def test_memory_reads_no_method_option_by_name():
+    """``memory`` knows a method through its hooks (``rollout_shape()``, ``step_work()``, ``memory_components()``, the
+    base's attributes), never through a hyper-parameter's name, so a new method or a renamed option needs no edit
+    there. Rebuilding a method from all of its ``hparams`` (the estimator's copy) names none and is allowed."""
+    options = _method_options() - _LOADER_OPTIONS
+    wrong = [
+        f"{module}:{line} reads {key!r}"
+        for module, path in _modules()
+        if module.startswith("lit_rl.memory.")
+        for line, key in _reads_by_name(ast.parse(path.read_text()), options)
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_option_scan_finds_each_way_of_reading_an_option():
+    code = (
+        "hp = dict(getattr(module, 'hparams', {}) or {})\n"
+        "a = hp.get('beta', 0) + module.hparams.num_iterations + hp['tau']\n"
+        "b = 'self_certainty_weight' in hp or getattr(module, 'share_prompt', False)\n"
+        "c = settings['batch_size'] + hp.get('not_an_option')\n"
+    )
+    options = {"beta", "num_iterations", "tau", "self_certainty_weight", "share_prompt", "other"}
+    found = _reads_by_name(ast.parse(code), options)
+    assert [k for _, k in found] == ["beta", "num_iterations", "tau", "self_certainty_weight", "share_prompt"]
 
 
 @pytest.mark.slow  # a fresh interpreter

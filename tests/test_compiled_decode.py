@@ -20,8 +20,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig, MistralConfig
 
 from lit_rl.cli import main
 from lit_rl.methods import RefCachedGRPO
-from lit_rl.methods.evaluation import sample_completions
-from lit_rl.models import LoraSettings, load_causal_lm
+from lit_rl.models import LoraSettings, load_causal_lm, sample_completions
 from lit_rl.models import compiled_decode as compiled_module
 from lit_rl.models.compiled_decode import (
     StaticSteps,

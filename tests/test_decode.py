@@ -17,7 +17,7 @@ from transformers.generation import (
     TopPLogitsWarper,
 )
 
-from lit_rl.methods.evaluation import sample_completions
+from lit_rl.models import sample_completions
 from lit_rl.models.decode import (
     PreallocatedLayer,
     decode,

@@ -139,10 +139,26 @@ def test_the_documented_config_composes_with_the_callback_fragments(documented, 
     empty.teardown(cli.trainer, cli.model, "fit")
 
 
+def test_the_documented_method_takes_the_contract_from_one_import(documented):
+    """The page's code imports the contract from ``lit_rl.methods`` alone (the ops and model helpers from their own
+    packages), and its step's passes are the base's default: no reference, no other pass, one update."""
+    module, _ = documented
+    code = "\n".join(_blocks("## The code", "python"))
+    imported = re.findall(r"^from (lit_rl[\w.]*) import", code, flags=re.M)
+    assert imported == ["lit_rl.methods", "lit_rl.models", "lit_rl.ops"], imported
+    import lit_rl.methods
+
+    assert {"RLMethod", "RolloutShape", "StepWork", "BACKWARD", "OPTIMIZER", "sample_completions"} <= set(
+        lit_rl.methods.__all__
+    )
+    work = _method(module, micro_batch_size=2).step_work()
+    assert (work.reference_pass, work.scoring_passes, work.iterations, work.micro_batch) == (False, 0, 1, 2)
+
+
 def test_the_contract_names_only_what_the_base_has():
     """Every hook the base's docstring promises exists on RLMethod (the text cannot name a removed hook)."""
     doc = RLMethod.__doc__
-    for name in ("phase_names", "train_step", "update", "rollout_shape", "step_shape", "needs_reference",
+    for name in ("phase_names", "train_step", "update", "rollout_shape", "step_work", "step_shape", "needs_reference",
                  "frozen_modules", "progress_bar_metrics", "memory_components", "as_reference", "configure_model",
                  "resolve_functions"):  # fmt: skip
         assert name in doc, name

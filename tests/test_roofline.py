@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 from lit_rl.callbacks import MemoryProfiler, RunLog
 from lit_rl.data import PromptDataModule
 from lit_rl.memory.machine_rates import best_of, load_rates, measure_rates, save_rates
+from lit_rl.memory.rollout import step_work
 from lit_rl.memory.roofline import (
     ModelShape,
     PhaseRoofline,
@@ -30,7 +31,7 @@ from lit_rl.memory.roofline import (
     rerate,
     summary_line,
 )
-from lit_rl.methods import RefCachedGRPO
+from lit_rl.methods import GumbelTopK, Intuitor, RefCachedGRPO
 from lit_rl.models import lm_head, trunk
 from lit_rl.models.checkpointing import enable_activation_checkpointing
 from lit_rl.models.shared_prompt import shared_prompt_hidden
@@ -243,6 +244,26 @@ def test_rerate_puts_the_same_steps_beside_the_best_of_several_rates():
 
 
 # ----------------------------------------------------------------------------------------------- the profiler
+
+
+@pytest.mark.parametrize(
+    ("cls", "options", "reference", "scoring", "iterations"),
+    [
+        (RefCachedGRPO, {}, True, 0, 1),
+        (RefCachedGRPO, {"beta": 0.0}, False, 0, 1),
+        (RefCachedGRPO, {"beta": 0.0, "num_iterations": 3}, False, 1, 3),
+        (Intuitor, {}, True, 1, 1),  # self-certainty, in the same policy pass as the old log-probs
+        (Intuitor, {"beta": 0.0, "num_iterations": 2}, False, 1, 2),
+        (GumbelTopK, {}, True, 0, 1),
+        (GumbelTopK, {"beta": 0.0}, False, 0, 1),
+    ],
+)
+def test_each_method_declares_the_passes_the_roofline_counts(cls, options, reference, scoring, iterations):
+    method = cls(name_or_path="tiny:llama", micro_batch_size=2, max_grad_norm=0.0, **options)
+    work = step_work(method)
+    assert (work.reference_pass, work.scoring_passes, work.iterations) == (reference, scoring, iterations)
+    assert (work.micro_batch, work.adapters, work.clip) == (2, False, False)
+    assert work.share_prompt == getattr(method, "share_prompt", False)
 
 
 def _fit(tmp_path, rates):

@@ -6,9 +6,14 @@ import pytest
 import torch
 
 from lit_rl.methods import Intuitor, RefCachedGRPO
-from lit_rl.methods.evaluation import sample_completions
 from lit_rl.methods.grpo import Rollout
-from lit_rl.models import LoraSettings, enable_activation_checkpointing, load_causal_lm, trunk_hidden
+from lit_rl.models import (
+    LoraSettings,
+    enable_activation_checkpointing,
+    load_causal_lm,
+    sample_completions,
+    trunk_hidden,
+)
 from lit_rl.models.shared_prompt import group_runs, shared_prompt_hidden, shared_prompt_unsupported
 
 G, P, C = 4, 7, 5  # completions per prompt, prompt and completion lengths

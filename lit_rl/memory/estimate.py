@@ -100,7 +100,8 @@ def estimate_step(
 
     Args:
         module: an :class:`~lit_rl.methods.RLMethod` (anything with ``phases``, ``configure_model``,
-            ``configure_optimizers``, ``attach_optimizer``, ``update``, ``training_step`` and ``rollout_shape``).
+            ``configure_optimizers``, ``attach_optimizer``, ``update``, ``training_step``, ``rollout_shape``,
+            ``micro_batches`` and ``uses_lora``).
         batch_size: prompts per step (``data.batch_size``).
         prompt_length: prompt tokens (``data.max_prompt_length`` for the worst case).
         model_config: the policy's config instead of the one ``name_or_path`` names: see
@@ -168,7 +169,7 @@ def estimate_step(
         model=str(model_config) if isinstance(model_config, str) else method.name_or_path,
         architecture=type(base_model(method.policy)).__name__,
         precision=precision,
-        lora=hp.get("lora") is not None,
+        lora=method.uses_lora,
         device_type=device_type,
         prompts=batch_size,
         num_generations=generations,
@@ -176,7 +177,7 @@ def estimate_step(
         prompt_length=prompt_length,
         max_new_tokens=shape.max_new_tokens,
         sequence_length=prompt_length + shape.max_new_tokens,
-        micro_batch_size=min(hp.get("micro_batch_size") or batch, batch),
+        micro_batch_size=method.micro_batches(batch)[0].stop,  # the first micro-batch is the largest
         activation_checkpointing=activation_checkpointing,
         padded=padded,
         config=config,
@@ -264,11 +265,7 @@ def copy_method(module, overrides: dict[str, Any]):
             accepted |= {p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
     # hparams may carry extras (jsonargparse's _class_path) that no constructor takes
     hparams = {k: v for k, v in dict(module.hparams).items() if k in accepted}
-    hparams.update(overrides)
-    if isinstance(hparams.get("lora"), dict):  # save_hyperparameters stores the LoraSettings dataclass as a dict
-        from lit_rl.models import LoraSettings
-
-        hparams["lora"] = LoraSettings(**hparams["lora"])
+    hparams.update(overrides)  # settings stored as dicts (a checkpoint's LoraSettings) the constructors convert
     try:
         return type(module)(**hparams)
     except TypeError as err:

@@ -1,9 +1,10 @@
-"""What a method's step generates, as the memory tools and held-out evaluation read it: :class:`RolloutShape`.
+"""What a method's step generates and which passes it makes over it, as the memory tools read them.
 
-Every method answers ``rollout_shape()`` (:meth:`lit_rl.methods.RLMethod.rollout_shape`), whatever its options
-are called, so the estimator, the MemoryProfiler's per-step predictions and held-out evaluation never read a
-method's hyper-parameters by name. The memory tools read it through :func:`rollout_shape`, which asks the object
-without importing the methods (the memory layer sits below them).
+Every method answers ``rollout_shape()`` (:meth:`lit_rl.methods.RLMethod.rollout_shape`: a :class:`RolloutShape`)
+and ``step_work()`` (:meth:`lit_rl.methods.RLMethod.step_work`: a :class:`StepWork`), whatever its options are
+called, so the estimator, the MemoryProfiler's per-step predictions, the roofline and held-out evaluation never read
+a method's hyper-parameters by name. The memory tools read them through :func:`rollout_shape` and
+:func:`step_work`, which ask the object without importing the methods (the memory layer sits below them).
 """
 
 from __future__ import annotations
@@ -44,3 +45,46 @@ def rollout_shape(method) -> RolloutShape:
     """``method.rollout_shape()``, or the shape of a step that generates nothing when the object has no such hook."""
     hook = getattr(method, "rollout_shape", None)
     return hook() if callable(hook) else RolloutShape()
+
+
+@dataclass(frozen=True)
+class StepWork:
+    """The passes a training step makes over its rollout, and the settings that size them, for the roofline.
+
+    :mod:`lit_rl.memory.roofline` counts each phase's FLOPs and bytes from the model's shape, the step's lengths
+    (:class:`RolloutShape`, the batch) and these fields; a method declares them in ``step_work()`` instead of the
+    roofline reading its options. Extra per-token quantities of the chunked head (entropy, self-certainty) ride in
+    a pass the step makes anyway and add no pass: the head computes every logit once per token either way.
+
+    Args:
+        reference_pass: the step runs the reference over the rollout once, without gradient (phase ``reference``).
+        scoring_passes: further no-grad passes of the policy over the rollout in phase ``reference`` (old
+            log-probs for several optimizer steps per rollout, or a reward computed from the policy's own
+            distribution such as self-certainty); 0 for none.
+        iterations: optimizer steps per rollout batch, each a ``policy_forward``, ``backward`` and ``optimizer``.
+        micro_batch: completions per forward and backward; ``None``: the whole batch at once.
+        share_prompt: the passes after the rollout run each group's prompt once (and the rollout prefills it once).
+        adapters: only LoRA adapters train (the frozen base gets no weight gradient).
+        clip: the optimizer step clips the gradient norm (one more read and write of the gradients).
+    """
+
+    reference_pass: bool = False
+    scoring_passes: int = 0
+    iterations: int = 1
+    micro_batch: int | None = None
+    share_prompt: bool = False
+    adapters: bool = False
+    clip: bool = True
+
+    def __post_init__(self) -> None:
+        if self.scoring_passes < 0 or self.iterations < 1:
+            raise ValueError(
+                f"StepWork: scoring_passes must be >= 0 and iterations >= 1, got {self.scoring_passes} and "
+                f"{self.iterations}"
+            )
+
+
+def step_work(method) -> StepWork:
+    """``method.step_work()``, or a single plain update with no scoring pass when the object has no such hook."""
+    hook = getattr(method, "step_work", None)
+    return hook() if callable(hook) else StepWork()

@@ -36,9 +36,11 @@ completion, as :class:`~lit_rl.memory.step_prediction.StepShape` reads them):
 - ``reference``: a no-grad forward over the rollout per scoring pass, per micro-batch: ``u*P + b*C`` trunk tokens
   for ``b`` completions of ``u`` prompts with shared-prompt passes
   (:func:`~lit_rl.models.shared_prompt.group_runs`), ``b*(P + C)`` without, and the head on the ``b*C`` completion
-  tokens. One pass for the reference when ``beta > 0``, one more for old log-probs (``num_iterations > 1``) or
-  Intuitor's self-certainty; adapters are not counted here.
-- ``policy_forward``: the same forward with adapters, once per micro-batch and per iteration (``num_iterations``).
+  tokens. The passes are the ones the method declares in ``step_work()``
+  (:class:`~lit_rl.memory.rollout.StepWork`): one for the reference when it runs, plus ``scoring_passes`` of the
+  policy (RefCachedGRPO's old log-probs, Intuitor's self-certainty); adapters are not counted here.
+- ``policy_forward``: the same forward with adapters, once per micro-batch and per iteration
+  (``StepWork.iterations``, optimizer steps per rollout batch).
 - ``backward``: full fine-tuning: twice the forward's trunk and attention FLOPs (input and weight gradients) and
   three times its head FLOPs (the chunked head recomputes its logits). LoRA: the frozen weights get no gradient,
   so once the trunk's FLOPs (the first layer's input gradient included, which only checkpointing asks for),
@@ -73,7 +75,7 @@ import torch
 from lit_rl.memory.estimate import settings_from
 from lit_rl.memory.machine_rates import load_rates, measure_rates
 from lit_rl.memory.phases import BACKWARD, OPTIMIZER
-from lit_rl.memory.rollout import rollout_shape
+from lit_rl.memory.rollout import rollout_shape, step_work
 from lit_rl.memory.step_prediction import step_shape
 from lit_rl.models import base_model
 from lit_rl.models.shared_prompt import group_runs
@@ -278,7 +280,6 @@ def _run_settings(trainer, module) -> tuple[ModelShape, StepSettings, str]:
     if any(p.dtype == torch.uint8 for p in policy.parameters()):
         raise ValueError("a 4-bit base is not modelled")
     shape = ModelShape.from_config(base_model(policy).config)
-    hp = dict(getattr(module, "hparams", {}) or {})
     params = [p for p in policy.parameters() if p.is_floating_point()]
     trainable = sum(p.numel() for p in params if p.requires_grad)
     settings = settings_from(None, precision=str(trainer.precision), callbacks=trainer.callbacks, device_type="")
@@ -286,24 +287,22 @@ def _run_settings(trainer, module) -> tuple[ModelShape, StepSettings, str]:
     precision = settings["precision"].split("-")[0]
     weight = next((p for p in params if not p.requires_grad), params[0])  # the base weights under LoRA
     dtype = _PRECISION_DTYPE.get(precision, str(weight.dtype).removeprefix("torch."))
-    rollout = rollout_shape(module)
+    rollout, work = rollout_shape(module), step_work(module)  # what the method declares, whatever its options are
     base = StepSettings(
         prompts=1,
         generations=rollout.completions_per_prompt,
         prompt_length=1,
         new_tokens=rollout.max_new_tokens,
-        micro_batch=hp.get("micro_batch_size"),
-        share_prompt=bool(getattr(module, "share_prompt", False)),
-        adapters=trainable if hp.get("lora") is not None else 0,
+        micro_batch=work.micro_batch,
+        share_prompt=work.share_prompt,
+        adapters=trainable if work.adapters else 0,
         trainable=trainable,
         weight_bytes=weight.element_size(),
         cache_bytes=getattr(torch, dtype).itemsize,
-        # the reference when beta > 0; one more policy pass for old log-probs or Intuitor's self-certainty
-        reference_passes=int(hp.get("beta", 0) > 0)
-        + int(hp.get("num_iterations", 1) > 1 or "self_certainty_weight" in hp),
-        iterations=int(hp.get("num_iterations", 1)),
+        reference_passes=int(work.reference_pass) + work.scoring_passes,
+        iterations=work.iterations,
         checkpointed_layers=len(range(0, shape.layers, every)) if every else 0,
-        clip=hp.get("max_grad_norm", 1.0) > 0,
+        clip=work.clip,
     )
     return shape, base, dtype
 

@@ -1,8 +1,31 @@
-"""The RL methods, one LightningModule each, on a thin shared base."""
+"""The RL methods, one LightningModule each, on a thin shared base; and everything a new method is written against.
 
+A method author's one import (``docs/adding-a-method.md``)::
+
+    from lit_rl.methods import BACKWARD, OPTIMIZER, RLMethod, RolloutShape, StepWork, sample_completions
+
+``RLMethod`` is the base and its docstring the contract; ``BACKWARD`` and ``OPTIMIZER`` the phases every method's
+``phase_names`` ends with; ``RolloutShape`` and ``StepWork`` what its ``rollout_shape()`` and ``step_work()`` hooks
+return; ``sample_completions`` the sampler the built-in methods draw their rollouts with
+(:mod:`lit_rl.models.sampling`). The token math and model helpers stay in :mod:`lit_rl.ops` and :mod:`lit_rl.models`.
+"""
+
+from lit_rl.memory.phases import BACKWARD, OPTIMIZER
+from lit_rl.memory.rollout import RolloutShape, StepWork
 from lit_rl.methods.base import RLMethod
 from lit_rl.methods.grpo import RefCachedGRPO
 from lit_rl.methods.gumbel_topk import GumbelTopK
 from lit_rl.methods.intuitor import Intuitor
+from lit_rl.models import sample_completions
 
-__all__ = ["GumbelTopK", "Intuitor", "RLMethod", "RefCachedGRPO"]
+__all__ = [
+    "BACKWARD",
+    "OPTIMIZER",
+    "GumbelTopK",
+    "Intuitor",
+    "RLMethod",
+    "RefCachedGRPO",
+    "RolloutShape",
+    "StepWork",
+    "sample_completions",
+]

@@ -12,7 +12,7 @@ What a step *does* lives in the subclasses: each declares its phase names and im
 - what a resumed run needs in a checkpoint: the trainable weights only (with LoRA the adapters, not the
   frozen base, which is rebuilt from ``name_or_path``), the non-finite counters and every RNG state,
   restored right before the first resumed step so it draws what the uninterrupted run drew;
-- reward and metric functions named by import path;
+- reward and metric functions named by import path, and completion text (:mod:`lit_rl.methods.rewards`);
 - a step that runs with or without a Trainer: without one (the estimator runs the method's own step on
   fake tensors), backward, clipping and reductions fall back to plain torch (:mod:`lit_rl.methods.standalone`)
   and nothing is logged.
@@ -34,10 +34,10 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 
-from lit_rl.data.rewards import resolve_reward_fn, score
 from lit_rl.memory.phases import BACKWARD, OPTIMIZER, PhaseTracker
-from lit_rl.memory.rollout import RolloutShape
+from lit_rl.memory.rollout import RolloutShape, StepWork
 from lit_rl.methods.evaluation import EvalSettings, HeldOutEvaluation
+from lit_rl.methods.rewards import TextAndRewards
 from lit_rl.methods.rng import rng_states, set_rng_states
 from lit_rl.methods.standalone import StandaloneStep
 from lit_rl.models import LoraSettings, load_causal_lm, load_tokenizer
@@ -45,7 +45,7 @@ from lit_rl.models.compiled_decode import choose_decode
 from lit_rl.models.quantize import check_quantize_base, nf4_memory
 
 
-class RLMethod(HeldOutEvaluation, StandaloneStep, L.LightningModule):
+class RLMethod(HeldOutEvaluation, TextAndRewards, StandaloneStep, L.LightningModule):
     """The shared base of every method: it loads the models and steps the optimizer; a subclass writes the step.
 
     Manual optimization, because one RL step is several passes (rollout, reference, micro-batched
@@ -81,15 +81,18 @@ class RLMethod(HeldOutEvaluation, StandaloneStep, L.LightningModule):
 
     **What a subclass may provide** (the base's default in brackets):
 
-    - :meth:`rollout_shape` [one sequence per prompt, nothing generated]: completions per prompt, the most new
-      tokens, and the constructor argument that sets that length (a
-      :class:`~lit_rl.memory.rollout.RolloutShape`). The estimator reports its batch and lengths from it, the
-      MemoryProfiler rebuilds the method through ``length_option`` to predict each step at its real length,
+    - :meth:`rollout_shape` [``num_generations`` completions of ``max_new_tokens`` when the constructor has both,
+      else nothing generated]: completions per prompt, the most new tokens, and the constructor argument that sets
+      that length (a :class:`~lit_rl.memory.rollout.RolloutShape`). The estimator reports its batch and lengths from
+      it, the MemoryProfiler rebuilds the method through ``length_option`` to predict each step at its real length,
       and held-out evaluation generates ``max_new_tokens`` tokens.
+    - :meth:`step_work` [a reference pass when :attr:`needs_reference`, one update]: the passes the step makes over
+      its rollout (a :class:`~lit_rl.memory.rollout.StepWork`), which the roofline counts; override it from
+      ``super().step_work()`` when the step scores the rollout again or updates several times.
     - ``self.step_shape`` [empty]: ``{"prompt_length": P, "new_tokens": C}`` set during each step that
       generates (``C`` the longest completion); the MemoryProfiler predicts the measured step at these shapes.
-    - :attr:`needs_reference` [False]: whether the loss uses the reference; for full fine-tuning the base then
-      keeps a frozen copy of the policy as ``self.reference``.
+    - :attr:`needs_reference` [a ``beta`` (KL coefficient) constructor argument above 0]: whether the loss uses
+      the reference; for full fine-tuning the base then keeps a frozen copy of the policy as ``self.reference``.
     - ``frozen_modules`` [``("reference",)``]: the attributes that hold frozen models. They stay in eval mode,
       are left out of checkpoints (rebuilt from their sources at load) and get their own line in the
       estimator's component table.
@@ -209,16 +212,29 @@ class RLMethod(HeldOutEvaluation, StandaloneStep, L.LightningModule):
     # ------------------------------------------------------------------ what a subclass provides
     @property
     def needs_reference(self) -> bool:
-        """Whether the loss uses the reference model (a frozen copy is kept for full fine-tuning)."""
-        return False
+        """Whether the loss uses the reference model (a frozen copy is kept for full fine-tuning): ``beta > 0``."""
+        return self.hparams.get("beta", 0) > 0
 
     def train_step(self, batch: dict[str, Any]) -> tuple[dict[str, float], int]:
         """One training step on a collated prompt batch: ``(metrics, batch size for logging)``."""
         raise NotImplementedError(f"{type(self).__name__} must implement train_step(batch)")
 
     def rollout_shape(self) -> RolloutShape:
-        """Completions per prompt and their most new tokens; the base's: one sequence per prompt, nothing generated."""
-        return RolloutShape()
+        """Completions per prompt and their most new tokens: ``num_generations`` and ``max_new_tokens``, or none."""
+        hp = self.hparams
+        has = "num_generations" in hp and "max_new_tokens" in hp
+        return RolloutShape(hp.num_generations, hp.max_new_tokens, "max_new_tokens") if has else RolloutShape()
+
+    def step_work(self) -> StepWork:
+        """The passes a step makes over its rollout, for the roofline: a reference pass if needed, one update."""
+        hp, share = self.hparams, bool(getattr(self, "share_prompt", False))
+        return StepWork(
+            self.needs_reference,
+            micro_batch=hp.micro_batch_size,
+            share_prompt=share,
+            adapters=self.uses_lora,
+            clip=hp.max_grad_norm > 0,
+        )
 
     def memory_components(self, policy_shape: dict[str, int]) -> list[tuple[str, str, int, str]]:
         """Extra lines for the estimator's component table: ``(name, shape, bytes, note)``; none by default.
@@ -425,55 +441,6 @@ class RLMethod(HeldOutEvaluation, StandaloneStep, L.LightningModule):
                 f"{bad} at step {step}; {last}); lower model.learning_rate, use trainer.precision: bf16-mixed "
                 f"instead of 16-bit weights, or raise max_nonfinite_steps (now {self.hparams.max_nonfinite_steps})"
             )
-
-    # ------------------------------------------------------------------ text and rewards
-    def eos_ids(self) -> list[int]:
-        """End-of-sequence ids: the tokenizer's and the generation config's."""
-        ids = {self.tokenizer.eos_token_id}
-        config_eos = getattr(getattr(self.policy, "generation_config", None), "eos_token_id", None)
-        ids.update(config_eos if isinstance(config_eos, list) else [config_eos])
-        return sorted(i for i in ids if i is not None)
-
-    def decode(self, ids: torch.Tensor, lengths: torch.Tensor) -> list[str]:
-        """Text of each row of ``ids [B, C]`` up to its length ``[B]``, special tokens dropped."""
-        return [
-            self.tokenizer.decode(row[:n], skip_special_tokens=True)
-            for row, n in zip(ids.tolist(), lengths.long().tolist())
-        ]
-
-    @staticmethod
-    def resolve_functions(paths: list[str], field: str) -> tuple[list[str], list[Callable]]:
-        """Names and callables of reward-shaped functions given by import path (``field`` names the setting)."""
-        names = [p.replace(":", ".").rsplit(".", 1)[-1] for p in paths]
-        fns = [resolve_reward_fn(p, field=f"{field}[{i}]") for i, p in enumerate(paths)]
-        return names, fns
-
-    def score_functions(
-        self,
-        fns: list[Callable],
-        names: list[str],
-        completions: list[str],
-        batch: dict[str, Any],
-        repeats: int,
-        field: str = "model.reward_funcs",
-    ) -> torch.Tensor:
-        """Each function's scores, checked, as columns ``[B*repeats, F]`` (``F`` may be 0).
-
-        ``field`` names the setting that lists the functions, for the error messages.
-        """
-        answers = [a for a in batch["answers"] for _ in range(repeats)]
-        prompts = [p for p in batch["prompts"] for _ in range(repeats)]
-        columns = [score(fn, name, completions, answers, prompts, field=field) for fn, name in zip(fns, names)]
-        return torch.stack(columns, dim=1) if columns else torch.zeros(len(completions), 0)
-
-    def metric_scores(self, completions: list[str], batch: dict[str, Any], repeats: int) -> dict[str, float]:
-        """``metric/<name>/mean`` of each ``metric_funcs`` (logged, never rewarded)."""
-        if not self.metric_fns:
-            return {}
-        scores = self.score_functions(
-            self.metric_fns, self.metric_names, completions, batch, repeats, field="model.metric_funcs"
-        )
-        return {f"metric/{n}/mean": scores[:, i].mean().item() for i, n in enumerate(self.metric_names)}
 
     # ------------------------------------------------------------------ checkpoints
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

@@ -19,7 +19,7 @@ masking; see :mod:`lit_rl.losses` and the table in ``docs/methods.md``). How it 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -38,10 +38,10 @@ from lit_rl.losses import (
     masked_mean,
 )
 from lit_rl.memory.phases import BACKWARD, OPTIMIZER
-from lit_rl.memory.rollout import RolloutShape
+from lit_rl.memory.rollout import StepWork
 from lit_rl.methods.base import RLMethod
-from lit_rl.methods.evaluation import distinct_bigrams, sample_completions
-from lit_rl.models import head_spec, trunk_hidden
+from lit_rl.methods.evaluation import distinct_bigrams
+from lit_rl.models import head_spec, sample_completions, trunk_hidden
 from lit_rl.models.shared_prompt import group_runs, shared_prompt_hidden, shared_prompt_unsupported
 from lit_rl.ops import TokenStats, token_stats
 from lit_rl.ops.token_math import LOGITS_BUDGET_BYTES, plan_chunks
@@ -186,13 +186,10 @@ class RefCachedGRPO(RLMethod):
     def _default_rewards() -> list[str]:
         return ["lit_rl.data.rewards.correct_answer"]
 
-    @property
-    def needs_reference(self) -> bool:
-        return self.hparams.beta > 0
-
-    def rollout_shape(self) -> RolloutShape:
-        hp = self.hparams
-        return RolloutShape(hp.num_generations, hp.max_new_tokens, length_option="max_new_tokens")
+    def step_work(self) -> StepWork:
+        # the reference pass when beta > 0 (needs_reference), one more policy pass for the old log-probs
+        iterations = self.hparams.num_iterations
+        return replace(super().step_work(), scoring_passes=int(iterations > 1), iterations=iterations)
 
     def configure_model(self) -> None:
         loaded = self.policy is not None

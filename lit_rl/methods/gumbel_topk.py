@@ -43,7 +43,6 @@ from torch.utils.checkpoint import checkpoint
 from transformers import DynamicCache
 
 from lit_rl.memory.phases import BACKWARD, OPTIMIZER
-from lit_rl.memory.rollout import RolloutShape
 from lit_rl.methods.base import RLMethod
 from lit_rl.methods.evaluation import distinct_bigrams
 from lit_rl.models import forward_soft_embeds, head_spec, load_reward_model, score_every_prefix, soft_embeddings, trunk
@@ -164,14 +163,6 @@ class GumbelTopK(RLMethod):
         if gumbel_topk == 0 and (checkpoint_steps or bptt_window is not None):
             raise ValueError("model.gumbel_topk: 0 (the legacy path) has no checkpoint_steps or bptt_window; use k > 0")
         self.reward_model: torch.nn.Module | None = None
-
-    @property
-    def needs_reference(self) -> bool:
-        return self.hparams.beta > 0
-
-    def rollout_shape(self) -> RolloutShape:
-        hp = self.hparams
-        return RolloutShape(hp.num_generations, hp.max_new_tokens, length_option="max_new_tokens")
 
     # ------------------------------------------------------------------ models
     def configure_model(self) -> None:

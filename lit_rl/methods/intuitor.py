@@ -23,11 +23,13 @@ How this implementation differs from the reference code, and why:
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from lit_rl.losses import masked_mean
+from lit_rl.memory.rollout import StepWork
 from lit_rl.methods.grpo import RefCachedGRPO, Rollout
 
 
@@ -63,6 +65,10 @@ class Intuitor(RefCachedGRPO):
                 "model.self_certainty_weight: is 0 and there are no reward_funcs, so nothing is rewarded; "
                 "set a positive weight or add reward_funcs"
             )
+
+    def step_work(self) -> StepWork:
+        # self-certainty needs a policy pass over the rollout every step; it gives the old log-probs too
+        return replace(super().step_work(), scoring_passes=1)
 
     @torch.no_grad()
     def score_rollout(self, rollout: Rollout) -> dict[str, float]:

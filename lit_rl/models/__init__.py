@@ -42,6 +42,7 @@ from lit_rl.models.reward import (
     score_every_prefix,
     soft_embeddings,
 )
+from lit_rl.models.sampling import sample_completions
 
 __all__ = [
     "DTYPES",
@@ -74,6 +75,7 @@ __all__ = [
     "output_cache",
     "resolve_dtype",
     "resolve_source",
+    "sample_completions",
     "score_every_prefix",
     "soft_embeddings",
     "trunk",

@@ -1,0 +1,77 @@
+"""The training and evaluation sampler: complete prompts with the policy, through our decode loops where they apply.
+
+Methods sample their rollouts with :func:`sample_completions` and held-out evaluation completes its prompts with it:
+one call that repeats each prompt for its samples (computing a shared prompt's KV cache once), picks the decode loop
+the model passed at load time (:mod:`lit_rl.models.decode`, :mod:`lit_rl.models.compiled_decode`) or
+``transformers``' ``generate``, and leaves the policy in the mode it found it in.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities import rank_zero_info
+from transformers import GenerationConfig
+
+from lit_rl.models.compiled_decode import compiled_decode
+from lit_rl.models.decode import decode, sampling_settings, weights_are_real
+from lit_rl.models.shared_prompt import shared_prefill
+
+
+@torch.no_grad()
+def sample_completions(
+    policy,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    pad_id: int,
+    eos: list[int],
+    *,
+    repeats: int = 1,
+    share_prompt: bool = False,
+    own_decode: bool | str = False,
+    **config: Any,
+) -> torch.Tensor:
+    """Complete each prompt ``repeats`` times in eval mode with a fresh ``GenerationConfig(**config)``:
+    ``[B * repeats, P + C]`` sequences.
+
+    A fresh config because checkpoint defaults (``top_k=50``, repetition penalties) would bias the samples. Rows
+    ``i * repeats ...`` continue prompt ``i``; with ``share_prompt`` the prompts' KV cache is computed once and
+    repeated (:func:`lit_rl.models.shared_prompt.shared_prefill`), which draws the same samples as repeating the
+    prompts up to floating-point order. With ``own_decode`` (decided per model at load time: ``True`` or ``"own"``)
+    the tokens come from :func:`lit_rl.models.decode.decode`, the same tokens as ``policy.generate`` in fewer
+    seconds, with ``"compiled"`` from :func:`lit_rl.models.compiled_decode.compiled_decode` (its step compiled,
+    logits close to ``generate``'s); ``generate`` runs where a setting of the merged generation config is not one
+    the loop implements, and on fake tensors (where the estimator stands in for ``generate``).
+    """
+    config = GenerationConfig(pad_token_id=pad_id, eos_token_id=eos, use_cache=True, **config)
+    settings = None
+    if own_decode and weights_are_real(policy):
+        settings, reason = sampling_settings(policy, config)
+        if reason is not None:
+            _say_once(f"model.decode: transformers' generate for these completions, {reason}")
+    was_training = policy.training
+    policy.eval()
+    try:
+        cache = None
+        if share_prompt and repeats > 1 and input_ids.shape[1] > 1:
+            cache = shared_prefill(policy, input_ids, attention_mask, repeats)
+        input_ids = input_ids.repeat_interleave(repeats, dim=0)  # [B * repeats, P]
+        attention_mask = attention_mask.repeat_interleave(repeats, dim=0)
+        if settings is not None:
+            run = compiled_decode if own_decode == "compiled" else decode
+            return run(policy, input_ids, attention_mask, eos=eos, pad_id=pad_id, cache=cache, **settings)
+        return policy.generate(
+            input_ids=input_ids, attention_mask=attention_mask, generation_config=config, past_key_values=cache
+        )
+    finally:
+        policy.train(was_training)
+
+
+_said: set[str] = set()
+
+
+def _say_once(message: str) -> None:
+    if message not in _said:
+        _said.add(message)
+        rank_zero_info(message)
