@@ -14,6 +14,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 from transformers import GenerationConfig
 
+from lit_rl.models.cache_keyword import cache_kwargs
 from lit_rl.models.compiled_decode import compiled_decode
 from lit_rl.models.decode import decode, sampling_settings, weights_are_real
 from lit_rl.models.shared_prompt import shared_prefill
@@ -62,7 +63,7 @@ def sample_completions(
             run = compiled_decode if own_decode == "compiled" else decode
             return run(policy, input_ids, attention_mask, eos=eos, pad_id=pad_id, cache=cache, **settings)
         return policy.generate(
-            input_ids=input_ids, attention_mask=attention_mask, generation_config=config, past_key_values=cache
+            input_ids=input_ids, attention_mask=attention_mask, generation_config=config, **cache_kwargs(policy, cache)
         )
     finally:
         policy.train(was_training)

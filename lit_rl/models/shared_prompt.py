@@ -115,8 +115,8 @@ def shared_prompt_hidden(
 def shared_prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, repeats: int):
     """A KV cache of all but the last token of each prompt ``[B, P]``, computed once and repeated ``repeats`` times.
 
-    ``model.generate(input_ids.repeat_interleave(repeats, 0), ..., past_key_values=cache)`` then runs only the last
-    prompt token and the new ones per row: the rollout's prefill costs ``B * (P - 1)`` tokens instead of
+    ``model.generate(input_ids.repeat_interleave(repeats, 0), ..., **cache_kwargs(model, cache))`` then runs only the
+    last prompt token and the new ones per row: the rollout's prefill costs ``B * (P - 1)`` tokens instead of
     ``B * repeats * (P - 1)``. Positions are numbered as ``generate`` numbers them.
     """
     from transformers import DynamicCache
