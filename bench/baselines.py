@@ -1,5 +1,6 @@
 """The full-logits baselines of GRPO and Intuitor (``bench_policy_update.py``) and the legacy Gumbel path
-(``bench_gumbel_topk.py``), each run as it is, in its own process, for part 2 of ``bench/run.py``."""
+(``gumbel_legacy.py``, measured by ``bench_gumbel_topk.py``), each run as it is, in its own process, for part 2 of
+``bench/run.py``."""
 
 from __future__ import annotations
 

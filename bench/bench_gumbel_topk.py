@@ -5,8 +5,9 @@ per-step checkpointing) is expected to peak 3-4x lower than the naive one (dense
 vocabulary, stored reference logits), which runs out of memory at a real vocabulary and length, and top-256 tokens
 are expected to keep > 99.9 % of the probability mass. This bench measures both instead of assuming them.
 
-For each vocabulary (49,152: SmolLM2's; 151,936: Qwen's), completion length and path (``gumbel_topk: 0``, the
-legacy full-vocabulary path; ``gumbel_topk: 256``; ``gumbel_topk: 256`` with ``checkpoint_steps: true``), two real
+For each vocabulary (49,152: SmolLM2's; 151,936: Qwen's), completion length and path (``legacy``: the
+full-vocabulary baseline, :class:`gumbel_legacy.LegacyGumbelTopK` in ``bench/gumbel_legacy.py``; ``top-k``:
+``GumbelTopK`` with ``gumbel_topk: 256``; ``top-k + ckpt``: the same with ``checkpoint_steps: true``), two real
 steps run on CPU with the :class:`~lit_rl.callbacks.MemoryProfiler` (exact tensor accounting), and step 1 (the
 steady state, optimizer state allocated) is compared with :func:`~lit_rl.memory.estimate.estimate_step` for the
 same settings. The models are random (nothing is downloaded): a ``LlamaForCausalLM`` policy and a
@@ -29,6 +30,9 @@ at load 2, 5.5 at higher loads; tensor bytes do not depend on the machine's load
 
     python bench/bench_gumbel_topk.py              # writes bench/results/gumbel_topk.md and gumbel_topk_peak_vs_length.png
     python bench/bench_gumbel_topk.py --quick      # vocab 49,152, 32 new tokens, the three paths; prints only
+
+``lit_rl`` must be importable (``pip install -e .``, or ``PYTHONPATH`` at the checkout); ``gumbel_legacy`` is found
+beside this script.
 """
 
 from __future__ import annotations
@@ -48,30 +52,29 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# runnable from a checkout without `pip install -e .`
+import lightning as L
+import torch
+from gumbel_legacy import LegacyGumbelTopK
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+from lit_rl.callbacks import MemoryProfiler
+from lit_rl.data import PromptDataModule
+from lit_rl.memory.estimate import GIB, MIB, estimate_step
+from lit_rl.memory.tracker import CATEGORIES
+from lit_rl.methods import GumbelTopK
+from lit_rl.models.tiny import tiny_config, tiny_tokenizer
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import lightning as L  # noqa: E402
-import torch  # noqa: E402
-from lightning.pytorch.callbacks import Callback  # noqa: E402
-from typing_extensions import override  # noqa: E402
-
-from lit_rl.callbacks import MemoryProfiler  # noqa: E402
-from lit_rl.data import PromptDataModule  # noqa: E402
-from lit_rl.memory.estimate import GIB, MIB, estimate_step  # noqa: E402
-from lit_rl.memory.tracker import CATEGORIES  # noqa: E402
-from lit_rl.methods import GumbelTopK  # noqa: E402
-from lit_rl.models.tiny import tiny_config, tiny_tokenizer  # noqa: E402
 
 VOCABS = (49_152, 151_936)
 TOKENS = (32, 64, 128)
 TOPK = 256
-# path name -> GumbelTopK settings
+# path name -> (class, its settings)
 PATHS = {
-    "legacy": dict(gumbel_topk=0),
-    "top-k": dict(gumbel_topk=TOPK),
-    "top-k + ckpt": dict(gumbel_topk=TOPK, checkpoint_steps=True),
+    "legacy": (LegacyGumbelTopK, {}),
+    "top-k": (GumbelTopK, dict(gumbel_topk=TOPK)),
+    "top-k + ckpt": (GumbelTopK, dict(gumbel_topk=TOPK, checkpoint_steps=True)),
 }
 PHASES = ("generate", "reward", "backward", "optimizer")
 TRUNK = dict(hidden_size=256, num_layers=4)  # tiny_config: intermediate 2 x hidden, 4 heads, 2 KV heads, tied
@@ -150,7 +153,8 @@ def planned_shapes(steps: int = 2) -> list[tuple[int, bool]]:
 
 
 def method(policy_dir: str, reward_dir: str, tokens: int, path: str) -> GumbelTopK:
-    return GumbelTopK(name_or_path=policy_dir, reward_model=reward_dir, max_new_tokens=tokens, **METHOD, **PATHS[path])
+    cls, settings = PATHS[path]
+    return cls(name_or_path=policy_dir, reward_model=reward_dir, max_new_tokens=tokens, **METHOD, **settings)
 
 
 # ------------------------------------------------------------------------------------------------ measure, predict

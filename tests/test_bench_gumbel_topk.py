@@ -1,8 +1,9 @@
-"""bench/bench_gumbel_topk.py --quick runs end to end in a subprocess, so the GumbelTopK memory benchmark cannot rot.
+"""bench/bench_gumbel_topk.py --quick runs end to end in a subprocess, so the GumbelTopK memory benchmark cannot rot;
+and its baseline, bench/gumbel_legacy.py, computes the method's step, so what it measures is the same step.
 
-The test runs the quick case at vocab 4,096 and 8 new tokens (the default quick case, 49,152 and 32, takes about
-5.5 minutes on 2 cores); each of the three paths is measured and must match the estimator's prediction, which runs
-the same step on fake tensors.
+The quick test runs the quick case at vocab 4,096 and 8 new tokens (the default quick case, 49,152 and 32, takes
+about 5.5 minutes on 2 cores); each of the three paths is measured and must match the estimator's prediction, which
+runs the same step on fake tensors.
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from bench_loader import load_bench
 
-pytestmark = [pytest.mark.bench, pytest.mark.slow]  # bench/bench_gumbel_topk.py --quick in a subprocess
+from lit_rl.methods import GumbelTopK
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "bench_gumbel_topk.py"
 PATHS = ["legacy", "top-k", "top-k + ckpt"]
@@ -31,6 +34,42 @@ def _mib(cell: str) -> float:
     return float(cell.split()[0].replace(",", ""))
 
 
+def test_the_legacy_baseline_computes_the_loss_and_gradients_of_top_k_over_the_whole_vocabulary():
+    settings = dict(name_or_path="tiny:llama", reward_model="tiny:llama", max_new_tokens=3, hard=False, beta=0.1,
+                    temperature=1.3, learning_rate=1e-2)  # fmt: skip
+    out = []
+    with load_bench("gumbel_legacy.py") as legacy:
+        for method in (legacy.LegacyGumbelTopK(**settings), GumbelTopK(**settings, gumbel_topk=10**6)):
+            method.setup("fit")
+            method.configure_model()
+            method.double()
+            torch.manual_seed(1)
+            ids = torch.randint(3, 90, (3, 7))
+            mask = torch.ones_like(ids)
+            mask[0, :2] = 0  # left padding
+            ids[mask == 0] = method.tokenizer.pad_token_id
+            torch.manual_seed(0)
+            rollout = method.soft_rollout(ids, mask, method.tau_at(0))
+            loss = (method.hparams.beta * rollout.kl.sum(1) - method.score(ids, mask, rollout)).mean()
+            loss.backward()
+            grads = {n: p.grad.clone() for n, p in method.policy.named_parameters()}
+            # the dense [V, H] product also reaches the padding row, which a lookup (the method's gather) leaves alone
+            grads["model.embed_tokens.weight"][method.policy.get_input_embeddings().padding_idx] = 0
+            out.append((loss.detach(), rollout.tokens, grads))
+    (loss_a, tokens_a, a), (loss_b, tokens_b, b) = out
+    assert torch.equal(tokens_a, tokens_b)  # the same noise draw, the same tokens
+    torch.testing.assert_close(loss_a, loss_b, rtol=1e-10, atol=1e-12)
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-8, atol=1e-10, msg=name)
+
+
+def test_the_legacy_baseline_refuses_what_it_has_not():
+    with load_bench("gumbel_legacy.py") as legacy, pytest.raises(ValueError, match="checkpoint_steps or bptt_window"):
+        legacy.LegacyGumbelTopK(name_or_path="tiny:llama", reward_model="tiny:llama", checkpoint_steps=True)
+
+
+@pytest.mark.bench
+@pytest.mark.slow  # bench/bench_gumbel_topk.py --quick in a subprocess
 def test_quick_bench_prints_every_table(tmp_path):
     done = subprocess.run(
         # a 4,096-token vocabulary and 8 new tokens: every table, in a fraction of the 49k case's minutes

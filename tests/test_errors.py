@@ -134,6 +134,9 @@ CATALOGUE = [
      "model.reward_funcs[0]: cannot import 'no.such.fn'"),
     ("model path", ["--config", str(GRPO), "--model.init_args.name_or_path", "{d}/no_model"],
      "model.name_or_path: {d}/no_model does not exist; give an existing folder"),
+    ("gumbel_topk 0", ["--config", str(GUMBEL), "--model.init_args.gumbel_topk", "0"],
+     "model.gumbel_topk: must be >= 1, got 0 (0, the full-vocabulary path, is a benchmark baseline now: "
+     "bench/gumbel_legacy.py); set the tokens kept per soft token, e.g. 256"),
     ("reward model vocabulary", ["--config", str(GUMBEL), "--model.init_args.reward_model", "{d}/foreign_rm"],
      "tokens; 1 token->id pairs differ): the soft tokens are policy ids; use a reward model trained on"),
     ("ckpt_path", ["--config", str(GRPO), "--ckpt_path", "{d}/ckpt/nope.ckpt"],

@@ -1,5 +1,5 @@
-"""GumbelTopK on tiny models: the gradient of the whole differentiable rollout, checkpointing, truncation, the legacy
-path, a real training step, and bad settings."""
+"""GumbelTopK on tiny models: the gradient of the whole differentiable rollout, checkpointing, truncation, the sparse
+path against a plain float64 full-vocabulary reference, a real training step, and bad settings."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from lit_rl.methods import GumbelTopK
 from lit_rl.models import LoraSettings
 
 RUN = dict(name_or_path="tiny:llama", reward_model="tiny:llama", max_new_tokens=3, learning_rate=1e-2)
+ALL = 10**6  # a k above the vocabulary keeps all of it
 
 
 def _method(**kw) -> GumbelTopK:
@@ -59,7 +60,7 @@ def float64_rmsnorm(monkeypatch):
 
 
 @pytest.mark.parametrize("temperature", [1.0, 1.3])
-@pytest.mark.parametrize("k", [5, 0])
+@pytest.mark.parametrize("k", [5, ALL])
 def test_rollout_gradient_matches_finite_differences(temperature, k, float64_rmsnorm):
     # the soft path (hard=False) is differentiable everywhere the top-k set and the tokens do not change
     method = _double(_method(hard=False, gumbel_topk=k, tau=0.7, beta=0.1, temperature=temperature))
@@ -108,17 +109,77 @@ def test_truncated_backpropagation_cuts_the_early_steps_only():
     assert not torch.allclose(out[0][1], out[2][1])  # one step: the early steps' gradient is gone
 
 
-def test_legacy_full_vocabulary_path_equals_top_k_with_k_equal_to_the_vocabulary():
-    results = []
-    for k in (0, None):
-        method = _double(_method(beta=0.1, max_new_tokens=3, hard=False, gumbel_topk=k if k is not None else 10**6))
-        ids, mask = _prompts(method)
-        loss = _loss(method, ids, mask)
-        loss.backward()
-        results.append((loss.detach(), method.policy.model.layers[1].mlp.up_proj.weight.grad.clone()))
-    (legacy, g_legacy), (topk, g_topk) = results
-    torch.testing.assert_close(legacy, topk, rtol=1e-10, atol=1e-12)
-    torch.testing.assert_close(g_legacy, g_topk, rtol=1e-8, atol=1e-10)
+def _as_looked_up(embedding: torch.nn.Embedding) -> torch.Tensor:
+    """``[V, H]``: the table as a lookup sees it: ``nn.Embedding`` gives its ``padding_idx`` row no gradient, and the
+    method's soft tokens are lookups of their k rows."""
+    table = embedding.weight
+    if embedding.padding_idx is None:
+        return table
+    pad = torch.zeros(table.shape[0], 1, dtype=torch.bool)
+    pad[embedding.padding_idx] = True
+    return torch.where(pad, table.detach(), table)
+
+
+def _dense_reference_loss(method: GumbelTopK, ids, mask, seed: int = 0) -> torch.Tensor:
+    """The method's loss written plainly, for ``hard=False``: Gumbel-softmax over the whole vocabulary on the same
+    noise, dense soft tokens ``[b, V] @ [V, H]``, the whole sequence run again at every step (no KV cache), the KL
+    from both models' full logits rows, and the reward model's score of every prefix read through the soft stop."""
+    hp = method.hparams
+    policy_table = _as_looked_up(method.policy.get_input_embeddings())  # [V, H]
+    reward_table = _as_looked_up(method.reward_model.get_input_embeddings())  # [V, H]
+    vocab = policy_table.shape[0]
+    eos = [i for i in method.eos_ids() if 0 <= i < vocab]
+    b = ids.shape[0]
+    policy_soft, reward_soft, tokens, kls, stops = [], [], [], [], []
+    alive = torch.ones(b, dtype=torch.bool)  # [b] no hard EOS yet
+    torch.manual_seed(seed)
+    for t in range(hp.max_new_tokens):
+        att = torch.cat([mask, torch.ones(b, t, dtype=mask.dtype)], 1)  # [b, P + t]
+        pos = (att.cumsum(-1) - 1).clamp_min(0)  # [b, P + t]
+        embeds = torch.cat([method.policy.get_input_embeddings()(ids), *policy_soft], 1)  # [b, P + t, H]
+        z = method.policy(inputs_embeds=embeds, attention_mask=att, position_ids=pos).logits[:, -1] / hp.temperature
+        sampled = z.clone()  # [b, V]
+        if t < hp.min_new_tokens:
+            sampled[:, eos] = float("-inf")
+        u = torch.rand(z.shape, dtype=torch.float32).clamp_min(torch.finfo(torch.float32).tiny)  # the method's draw
+        w = torch.softmax((sampled - torch.log(-torch.log(u)).to(z.dtype)) / method.tau_at(0), -1)  # [b, V]
+        token = w.detach().argmax(-1)  # [b]
+        with torch.no_grad(), method.as_reference() as reference:
+            q = reference(input_ids=torch.cat([ids, *tokens], 1), attention_mask=att, position_ids=pos).logits[:, -1]
+        logp, logq = torch.log_softmax(z, -1), torch.log_softmax(q / hp.temperature, -1)  # [b, V]
+        kls.append((logp.exp() * (logp - logq)).sum(-1) * alive)  # [b]
+        policy_soft.append((w @ policy_table)[:, None])  # [b, 1, H]
+        reward_soft.append((w @ reward_table)[:, None])  # [b, 1, H]
+        stops.append(w[:, eos].sum(-1))  # [b]
+        tokens.append(token[:, None])
+        alive = alive & ~torch.isin(token, torch.tensor(eos))
+        if not alive.any():
+            break
+    scores = []  # the reward model's score after each completion token
+    for t in range(len(reward_soft)):
+        att = torch.cat([mask, torch.ones(b, t + 1, dtype=mask.dtype)], 1)  # [b, P + t + 1]
+        embeds = torch.cat([method.reward_model.get_input_embeddings()(ids), *reward_soft[: t + 1]], 1)
+        pos = (att.cumsum(-1) - 1).clamp_min(0)
+        scores.append(method.reward_model(inputs_embeds=embeds, attention_mask=att, position_ids=pos).logits[:, 0])
+    survive = [torch.ones(b, dtype=z.dtype)]  # [b] the weight of still running before token t
+    for stop in stops:
+        survive.append(survive[-1] * (1 - stop))
+    reward = sum((survive[t] - survive[t + 1]) * s for t, s in enumerate(scores)) + survive[-1] * scores[-1]  # [b]
+    return (hp.beta * torch.stack(kls, 1).sum(1) - reward).mean()
+
+
+@pytest.mark.parametrize("temperature", [1.0, 1.3])
+def test_top_k_over_the_whole_vocabulary_equals_a_float64_dense_reference(temperature, float64_rmsnorm):
+    method = _double(_method(beta=0.1, max_new_tokens=3, hard=False, gumbel_topk=ALL, temperature=temperature))
+    ids, mask = _prompts(method)
+    params = [p for p in method.policy.parameters() if p.requires_grad]
+    loss = _loss(method, ids, mask)
+    grads = torch.autograd.grad(loss, params)
+    want = _dense_reference_loss(method, ids, mask)
+    want_grads = torch.autograd.grad(want, params)
+    torch.testing.assert_close(loss, want, rtol=1e-10, atol=1e-12)
+    for (name, _), got, expected in zip(method.policy.named_parameters(), grads, want_grads):
+        torch.testing.assert_close(got, expected, rtol=1e-8, atol=1e-10, msg=name)
 
 
 def test_straight_through_forward_feeds_the_hard_token():
@@ -155,7 +216,7 @@ def test_survival_value_and_gradient_against_a_float64_product():
     assert torch.isfinite(got).all() and got[0, :2].abs().sum() > 0  # gradient before the hard stop is not lost
 
 
-@pytest.mark.parametrize("k", [0, 6])
+@pytest.mark.parametrize("k", [6, ALL])
 def test_differentiable_stop_keeps_the_hard_reward_and_adds_the_stop_gradient(k):
     """Hard tokens: the reward read through the EOS weights equals the score at the hard stop (the same
     forward); only the gradient differs, by the stop's own term."""
@@ -166,7 +227,7 @@ def test_differentiable_stop_keeps_the_hard_reward_and_adds_the_stop_gradient(k)
         if eos is None:  # as EOS, a token the first step keeps (top-k) but does not choose: its weight has a gradient
             torch.manual_seed(0)
             first = method.soft_rollout(ids, mask, method.tau_at(0))
-            eos = int(first.indices[0, 0, 1]) if k else int((first.tokens[0, 0] + 1) % 128)
+            eos = int(first.indices[0, 0, 1])
         method.eos_ids = lambda eos=eos: [eos]
         torch.manual_seed(0)
         rollout = method.soft_rollout(ids, mask, method.tau_at(0))
@@ -180,7 +241,7 @@ def test_differentiable_stop_keeps_the_hard_reward_and_adds_the_stop_gradient(k)
     assert not torch.allclose(out[True][2], out[False][2])
 
 
-@pytest.mark.parametrize("k", [0, 3])
+@pytest.mark.parametrize("k", [3, ALL])
 def test_min_new_tokens_forbids_an_early_eos_only(k):
     method = _method(gumbel_topk=k, hard=True, max_new_tokens=4, min_new_tokens=0)
     ids, mask = _prompts(method, n=4)
@@ -249,11 +310,11 @@ def test_estimate_runs_the_method_step_with_its_own_phases():
     ("kw", "message"),
     [
         (dict(tau=0), "tau"),
-        (dict(gumbel_topk=-1), "gumbel_topk: must be >= 0"),
+        (dict(gumbel_topk=-1), "gumbel_topk: must be >= 1"),
+        (dict(gumbel_topk=0), r"model.gumbel_topk: must be >= 1, got 0 \(0, the full-vocabulary path, is a benchmark"),
         (dict(tau_schedule="cosine"), "tau_schedule"),
         (dict(min_new_tokens=5, max_new_tokens=4), "min_new_tokens"),
         (dict(bptt_window=0), "bptt_window"),
-        (dict(gumbel_topk=0, checkpoint_steps=True), "legacy path"),
         (dict(beta=-1.0), "beta"),
     ],
 )

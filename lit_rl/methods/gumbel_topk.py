@@ -22,8 +22,9 @@ memory:
   (``bptt_window``): only the last ``bptt_window`` steps are differentiable; earlier ones run without
   gradient (their tokens reach the reward model as constants).
 
-``gumbel_topk: 0`` is the legacy full-vocabulary path, kept to measure against: dense ``[B, V]`` soft
-tokens, policy and reference logits stored for every step, the KL computed from them at the end.
+The naive full-vocabulary form (dense ``[B, V]`` soft tokens, policy and reference logits stored for every
+step, the KL computed from them at the end) is not part of the method: it lives in ``bench/gumbel_legacy.py``,
+where ``bench/bench_gumbel_topk.py`` measures it against this one.
 
 The loss of a sequence is ``-reward + beta * sum_t KL_t`` over its completion tokens, averaged over
 sequences. Lengths: every sequence is generated for ``max_new_tokens`` steps unless all have emitted
@@ -34,11 +35,10 @@ reward model's attention mask, so the reward model reads each completion up to a
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 import torch
-import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from transformers import DynamicCache
 
@@ -47,7 +47,7 @@ from lit_rl.methods.base import RLMethod
 from lit_rl.methods.evaluation import distinct_bigrams
 from lit_rl.models import forward_soft_embeds, head_spec, load_reward_model, score_every_prefix, soft_embeddings, trunk
 from lit_rl.ops import gumbel_softmax_topk, kl_divergence
-from lit_rl.reward_model.train import shipped_head_file
+from lit_rl.reward_model import shipped_head_file
 
 EMBEDDED_REWARD = "embedded"
 
@@ -56,8 +56,8 @@ EMBEDDED_REWARD = "embedded"
 class SoftRollout:
     """What a differentiable rollout produced for ``b`` sequences of up to ``C`` tokens."""
 
-    weights: torch.Tensor  # [b, C, k] soft-token weights (k = V on the legacy path), differentiable
-    indices: torch.Tensor | None  # [b, C, k] their token ids (None on the legacy path: all of the vocabulary)
+    weights: torch.Tensor  # [b, C, k] soft-token weights, differentiable
+    indices: torch.Tensor  # [b, C, k] their token ids
     tokens: torch.Tensor  # [b, C] hard tokens (the argmax of the weights)
     mask: torch.Tensor  # [b, C] 1 up to and including the first EOS
     kl: torch.Tensor  # [b, C] per-token KL(policy || reference), 0 where masked or without reference
@@ -88,7 +88,8 @@ class GumbelTopK(RLMethod):
             forbids the empty completion, which a reward model that never saw one may score above a real
             answer (the embedded one does). The KL is of the unconstrained distributions.
         temperature: the policy's logits are divided by it before the Gumbel-softmax and the KL.
-        gumbel_topk: ``k``, tokens kept per soft token; ``0`` runs the legacy full-vocabulary path.
+        gumbel_topk: ``k``, tokens kept per soft token (at least 1; a ``k`` above the vocabulary keeps all of it).
+            Memory: each soft token holds ``k`` weights and ids, and its embedding is a gather of ``k`` rows.
         hard: straight-through: the forward uses the one-hot token, the backward the soft weights.
         tau: Gumbel-softmax temperature at step 0.
         tau_min: the final tau of a decaying schedule.
@@ -138,10 +139,15 @@ class GumbelTopK(RLMethod):
     ) -> None:
         super().__init__(**kwargs)
         for name, value, low in (("num_generations", num_generations, 1), ("max_new_tokens", max_new_tokens, 1),
-                                 ("gumbel_topk", gumbel_topk, 0), ("tau_decay_steps", tau_decay_steps, 1),
+                                 ("tau_decay_steps", tau_decay_steps, 1),
                                  ("min_new_tokens", min_new_tokens, 0)):  # fmt: skip
             if value < low:
                 raise ValueError(f"model.{name}: must be >= {low}, got {value}; set it to {low} or more")
+        if gumbel_topk < 1:
+            raise ValueError(
+                f"model.gumbel_topk: must be >= 1, got {gumbel_topk} (0, the full-vocabulary path, is a benchmark "
+                "baseline now: bench/gumbel_legacy.py); set the tokens kept per soft token, e.g. 256"
+            )
         if min_new_tokens > max_new_tokens:
             raise ValueError(
                 f"model.min_new_tokens: {min_new_tokens} is more than model.max_new_tokens ({max_new_tokens}); "
@@ -160,8 +166,6 @@ class GumbelTopK(RLMethod):
             raise ValueError(f"model.beta: must be >= 0, got {beta}; use 0 to skip the reference")
         if bptt_window is not None and bptt_window < 1:
             raise ValueError(f"model.bptt_window: must be >= 1 or null, got {bptt_window}; use null for full backprop")
-        if gumbel_topk == 0 and (checkpoint_steps or bptt_window is not None):
-            raise ValueError("model.gumbel_topk: 0 (the legacy path) has no checkpoint_steps or bptt_window; use k > 0")
         self.reward_model: torch.nn.Module | None = None
 
     # ------------------------------------------------------------------ models
@@ -273,11 +277,8 @@ class GumbelTopK(RLMethod):
         return (stopped_at * prefix_scores).sum(1) + alive[:, -1] * prefix_scores[:, -1]  # [b]
 
     def reward_embeddings(self, rollout: SoftRollout) -> torch.Tensor:
-        """``[b, C', H]``: the completion's input embeddings in the reward model (k rows per token, or dense)."""
-        embedding = self.reward_model.get_input_embeddings()
-        if self.hparams.gumbel_topk == 0:  # legacy: dense [b, C, V] @ [V, H] soft tokens
-            return rollout.weights.to(embedding.weight.dtype) @ embedding.weight
-        return soft_embeddings(embedding, rollout.indices, rollout.weights)
+        """``[b, C', H]``: the completion's input embeddings in the reward model (k rows per token)."""
+        return soft_embeddings(self.reward_model.get_input_embeddings(), rollout.indices, rollout.weights)
 
     def eos_tensor(self, vocab: int, device: torch.device) -> torch.Tensor:
         """The EOS ids inside the vocabulary, as a long tensor: an id past it (how the benchmarks switch EOS
@@ -293,18 +294,19 @@ class GumbelTopK(RLMethod):
         positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)  # [b, P]
         head = head_spec(self.policy)
         eos = self.eos_tensor(head.weight.shape[0], prompt_ids.device)
-        policy = _PolicyStepper(self, prompt_ids, prompt_mask, positions, grad=first_grad == 0)
-        reference = _ReferenceStepper(self, prompt_ids, prompt_mask, positions) if hp.beta > 0 else None
-        weights, indices, tokens, masks, kls, masses, ref_logits = [], [], [], [], [], [], []
+        policy = PolicyStepper(self, prompt_ids, prompt_mask, positions, grad=first_grad == 0)
+        reference = ReferenceStepper(self, prompt_ids, prompt_mask, positions) if hp.beta > 0 else None
+        weights, indices, tokens, masks, kls, masses = [], [], [], [], [], []
         alive = torch.ones(b, dtype=torch.bool, device=prompt_ids.device)  # [b] no EOS emitted yet
         hidden = policy.hidden  # [b, H] predicts the first completion token
         for t in range(c):
             with torch.set_grad_enabled(t >= first_grad):
-                policy_logits = _at_least_float32(head.logits(hidden)) / hp.temperature  # [b, V] (the KL's)
+                policy_logits = _at_least_float32(head.logits(hidden)) / hp.temperature  # [b, V]
                 logits = policy_logits.index_fill(-1, eos, float("-inf")) if t < hp.min_new_tokens else policy_logits
-                # the noise is drawn over the whole vocabulary, so top-k (k = V) and the legacy path see the same draw;
-                # float32 whatever the default dtype (bf16-true sets bf16, whose few uniform values cap the noise
-                # near 5.5 and sharpen the samples)
+                # the noise is drawn over the whole vocabulary, so top-k with k = V and a full-vocabulary baseline
+                # (bench/gumbel_legacy.py, the tests' float64 reference) see the same draw; float32 whatever the
+                # default dtype (bf16-true sets bf16, whose few uniform values cap the noise near 5.5 and sharpen
+                # the samples)
                 u = torch.rand(logits.shape, device=logits.device, dtype=torch.float32)  # [b, V]
                 u = u.clamp_min(torch.finfo(torch.float32).tiny)
                 noise = -torch.log(-torch.log(u))  # [b, V] Gumbel(0, 1)
@@ -314,7 +316,7 @@ class GumbelTopK(RLMethod):
                 lse = torch.logsumexp(logits.detach(), dim=-1)  # [b]
                 masses.append(torch.exp(logits.detach().gather(-1, idx) - lse[:, None]).sum(-1))  # [b]
                 masks.append(alive.float())
-                if reference is not None and hp.gumbel_topk > 0:
+                if reference is not None:
                     ref_head = reference.head
                     kl = kl_divergence(
                         head.features(hidden), head.weight, reference.features, ref_head.weight,
@@ -322,12 +324,8 @@ class GumbelTopK(RLMethod):
                         bias_q=ref_head.bias, scale_q=ref_head.scale, softcap_q=ref_head.softcap,
                     )  # fmt: skip
                     kls.append(kl * alive)  # [b]
-                elif reference is not None:  # legacy: keep both logits rows, the KL comes at the end
-                    ref_logits.append(reference.logits())  # [b, V] no grad
-                    kls.append(policy_logits)  # [b, V] with grad
                 weights.append(w)
-                if hp.gumbel_topk > 0:  # the legacy path's ids are arange(V): never materialised
-                    indices.append(idx)
+                indices.append(idx)
                 tokens.append(token)
                 alive = alive & ~torch.isin(token, eos)
                 if t + 1 == c or not alive.any():
@@ -337,15 +335,9 @@ class GumbelTopK(RLMethod):
             if reference is not None:
                 reference.step(token)
         mask = torch.stack(masks, 1)  # [b, C']
-        if reference is None:
-            kl = torch.zeros_like(mask)
-        elif hp.gumbel_topk > 0:
-            kl = torch.stack(kls, 1)  # [b, C']
-        else:
-            kl = _dense_kl(torch.stack(kls, 1), torch.stack(ref_logits, 1)) * mask  # [b, C']
+        kl = torch.stack(kls, 1) if reference is not None else torch.zeros_like(mask)  # [b, C']
         weights = torch.stack(weights, 1)  # [b, C', k]
-        indices = torch.stack(indices, 1) if indices else None  # [b, C', k]; None on the legacy path
-        stop = weights[..., eos].sum(-1) if indices is None else (weights * torch.isin(indices, eos)).sum(-1)
+        indices = torch.stack(indices, 1)  # [b, C', k]
         return SoftRollout(
             weights=weights,
             indices=indices,
@@ -353,15 +345,12 @@ class GumbelTopK(RLMethod):
             mask=mask,
             kl=kl,
             topk_mass=torch.stack(masses, 1),  # [b, C']
-            stop=stop,  # [b, C']
+            stop=(weights * torch.isin(indices, eos)).sum(-1),  # [b, C']
         )
 
     def soft_embedding(self, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        """``[b, 1, H]``: a weighted gather of k embedding rows, or the dense ``[b, V] @ [V, H]`` on the legacy path."""
-        table = self.policy.get_input_embeddings()
-        if self.hparams.gumbel_topk == 0:
-            return (weights.to(table.weight.dtype) @ table.weight)[:, None]  # [b, 1, H]
-        rows = table(indices)  # [b, k, H]
+        """``[b, 1, H]``: a weighted gather of k embedding rows (``weights``, ``indices``: ``[b, k]``)."""
+        rows = self.policy.get_input_embeddings()(indices)  # [b, k, H]
         return (weights.to(rows.dtype)[..., None] * rows).sum(1, keepdim=True)  # [b, 1, H]
 
 
@@ -382,16 +371,12 @@ def _at_least_float32(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
-def _dense_kl(policy_logits: torch.Tensor, reference_logits: torch.Tensor) -> torch.Tensor:
-    """Legacy KL from stored logits ``[b, C, V]``: sum_v p (log p - log q) per token ``[b, C]``."""
-    logp = F.log_softmax(policy_logits, dim=-1)  # [b, C, V]
-    logq = F.log_softmax(reference_logits, dim=-1)  # [b, C, V]
-    return (logp.exp() * (logp - logq)).sum(-1)  # [b, C]
-
-
-class _PolicyStepper:
+class PolicyStepper:
     """The policy's side of the rollout: a KV cache kept as per-step key/value slices, so a step can be checkpointed
-    (its inputs are the small slices, the full cache is rebuilt inside and recomputed in the backward)."""
+    (its inputs are the small slices, the full cache is rebuilt inside and recomputed in the backward).
+
+    Public, with :class:`ReferenceStepper`, so that the full-vocabulary baseline the benchmarks measure against
+    (``bench/gumbel_legacy.py``) steps the models exactly as the method does."""
 
     def __init__(self, method: GumbelTopK, prompt_ids, prompt_mask, positions, *, grad: bool) -> None:
         self.method, self.model = method, trunk(method.policy)
@@ -432,7 +417,7 @@ class _PolicyStepper:
         return (out.last_hidden_state[:, -1], *new)
 
 
-class _ReferenceStepper:
+class ReferenceStepper:
     """The reference's side: its own KV cache, fed the hard tokens, never any gradient; it keeps the head's input
     (``features``, after any pre-head transform, computed while the reference is active: LoRA may adapt it)."""
 
@@ -444,11 +429,6 @@ class _ReferenceStepper:
             out = trunk(model)(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions, use_cache=True)
             self.features = self.head.features(out.last_hidden_state[:, -1])  # [b, E]
         self.cache = out.past_key_values
-
-    def logits(self) -> torch.Tensor:
-        with torch.no_grad():
-            z = replace(self.head, transform=None).logits(self.features)  # [b, V] from the head's input
-            return _at_least_float32(z) / self.method.hparams.temperature
 
     def step(self, token: torch.Tensor) -> None:
         self.mask = torch.cat([self.mask, self.mask.new_ones(self.mask.shape[0], 1)], dim=1)  # [b, L + 1]

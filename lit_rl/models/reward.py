@@ -259,8 +259,8 @@ def forward_soft_embeds(
 ) -> torch.Tensor:
     """Score prompts (hard tokens) followed by completions given as input embeddings ``[B, C, H]``.
 
-    :func:`forward_soft_sparse` builds those from k rows per position; the legacy full-vocabulary path of
-    GumbelTopK builds them densely (``[B, C, V] @ [V, H]``).
+    :func:`forward_soft_sparse` builds those from k rows per position; the full-vocabulary baseline the benchmarks
+    measure GumbelTopK against (``bench/gumbel_legacy.py``) builds them densely (``[B, C, V] @ [V, H]``).
     """
     B, P = input_ids.shape
     C = completion_embeds.shape[1]

@@ -33,17 +33,8 @@ from tqdm.auto import tqdm
 from lit_rl.data.datamodule import PromptDataModule
 from lit_rl.data.sentiment import review_openings, vader_compound, vader_positive
 from lit_rl.models import EMBEDDED, TINY_PREFIX, load_tokenizer, resolve_source
+from lit_rl.reward_model import HEAD_FILE, META_FILE, SHIPPED_HEAD_DIR, shipped_head_file
 from lit_rl.reward_model.fit import agreement, choose_and_fit, extract_features, pad
-
-META_FILE = "reward_model.json"
-HEAD_FILE = "head.safetensors"
-#: the head fitted on the embedded model's trunk, shipped inside the package (written by this module's ``main``)
-SHIPPED_HEAD_DIR = Path(__file__).parent / "heads" / "smollm2_sentiment"
-
-
-def shipped_head_file() -> str:
-    """The ``.safetensors`` head of the built-in sentiment reward model on the embedded SmolLM2 trunk."""
-    return str(SHIPPED_HEAD_DIR / HEAD_FILE)
 
 
 def review_formatter(tokenizer) -> PromptDataModule:
