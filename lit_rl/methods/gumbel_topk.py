@@ -45,7 +45,16 @@ from transformers import DynamicCache
 from lit_rl.memory.phases import BACKWARD, OPTIMIZER
 from lit_rl.methods.base import RLMethod
 from lit_rl.methods.evaluation import distinct_bigrams
-from lit_rl.models import forward_soft_embeds, head_spec, load_reward_model, score_every_prefix, soft_embeddings, trunk
+from lit_rl.models import (
+    cache_kwargs,
+    forward_soft_embeds,
+    head_spec,
+    load_reward_model,
+    output_cache,
+    score_every_prefix,
+    soft_embeddings,
+    trunk,
+)
 from lit_rl.ops import gumbel_softmax_topk, kl_divergence
 from lit_rl.reward_model import shipped_head_file
 
@@ -385,7 +394,7 @@ class PolicyStepper:
         self.grad = grad
         with torch.set_grad_enabled(grad):
             out = self.model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions, use_cache=True)
-        self.slices = [[(layer.keys, layer.values)] for layer in out.past_key_values.layers]  # per layer, per step
+        self.slices = [[(layer.keys, layer.values)] for layer in output_cache(out).layers]  # per layer, per step
         self.hidden = out.last_hidden_state[:, -1]  # [b, H]
 
     def step(self, embeds: torch.Tensor) -> torch.Tensor:
@@ -411,8 +420,8 @@ class PolicyStepper:
             past.append((torch.cat([k for k, _ in pairs], dim=2), torch.cat([v for _, v in pairs], dim=2)))
             i += 2 * n
         cache = DynamicCache(ddp_cache_data=past, config=self.config)
-        out = self.model(inputs_embeds=embeds, attention_mask=mask, position_ids=position, past_key_values=cache,
-                         use_cache=True)  # fmt: skip
+        out = self.model(inputs_embeds=embeds, attention_mask=mask, position_ids=position,
+                         **cache_kwargs(self.model, cache), use_cache=True)  # fmt: skip
         new = [t for layer in cache.layers for t in (layer.keys[:, :, -1:].clone(), layer.values[:, :, -1:].clone())]
         return (out.last_hidden_state[:, -1], *new)
 
@@ -428,12 +437,13 @@ class ReferenceStepper:
             self.head = head_spec(model)
             out = trunk(model)(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions, use_cache=True)
             self.features = self.head.features(out.last_hidden_state[:, -1])  # [b, E]
-        self.cache = out.past_key_values
+        self.cache = output_cache(out)
 
     def step(self, token: torch.Tensor) -> None:
         self.mask = torch.cat([self.mask, self.mask.new_ones(self.mask.shape[0], 1)], dim=1)  # [b, L + 1]
         self.position = self.position + 1
         with torch.no_grad(), self.method.as_reference() as model:
-            out = trunk(model)(input_ids=token[:, None], attention_mask=self.mask, position_ids=self.position,
-                               past_key_values=self.cache, use_cache=True)  # fmt: skip
+            body = trunk(model)
+            out = body(input_ids=token[:, None], attention_mask=self.mask, position_ids=self.position,
+                       **cache_kwargs(body, self.cache), use_cache=True)  # fmt: skip
             self.features = self.head.features(out.last_hidden_state[:, -1])  # [b, E]
