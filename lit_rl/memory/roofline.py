@@ -298,8 +298,9 @@ def _run_settings(trainer, module) -> tuple[ModelShape, StepSettings, str]:
         trainable=trainable,
         weight_bytes=weight.element_size(),
         cache_bytes=getattr(torch, dtype).itemsize,
-        # the reference when beta > 0; one more policy pass for old log-probs or Intuitor's self-certainty
-        reference_passes=int(hp.get("beta", 0) > 0)
+        # the reference when the method needs it (beta > 0); one more policy pass for old log-probs or Intuitor's
+        # self-certainty
+        reference_passes=int(bool(getattr(module, "needs_reference", False)))
         + int(hp.get("num_iterations", 1) > 1 or "self_certainty_weight" in hp),
         iterations=int(hp.get("num_iterations", 1)),
         checkpointed_layers=len(range(0, shape.layers, every)) if every else 0,
