@@ -146,6 +146,8 @@ CATALOGUE = [
      "model.lora.r: must be >= 1, got 0; set the adapter rank to 1 or more"),
     ("lora dropout", ["--config", str(GRPO), "--model.init_args.lora.dropout", "1.5"],
      "model.lora.dropout: must be in [0, 1), got 1.5; use 0 to switch it off"),
+    ("loss option outside its group", ["--config", str(GRPO), "--model.init_args.beta", "0"],
+     "model.beta: not an option of lit_rl.methods.RefCachedGRPO; did you mean loss.beta?"),
     ("loss delta", ["--config", str(GRPO), "--model.init_args.loss.delta", "0.5"],
      "model.loss.delta: must be > 1 (a cap on the ratio, above 1 + epsilon_high), got 0.5; INTELLECT-2 uses 4.0"),
     ("cispo cap", ["--config", str(GRPO), "--model.init_args.loss.loss_type", "cispo"],

@@ -97,7 +97,8 @@ class RefCachedGRPO(RLMethod):
             :class:`~lit_rl.losses.LossSettings`): ``loss_type``, ``beta``, the clip range, GSPO, SAPO, VESPO, the
             KL bias correction, the off-policy and entropy masks, the entropy bonus. ``loss.beta`` defaults to 0.04
             here; ``beta = 0`` skips the reference pass entirely (no reference memory or time). Under ``cispo``,
-            ``loss.epsilon_high`` must be above 1.
+            ``loss.epsilon_high`` must be above 1. A config that sets some fields keeps these defaults for the
+            others; in Python, ``LossSettings(...)`` starts from its own (``beta`` 0).
         scale_rewards: ``group``, ``batch`` or ``none`` (Dr. GRPO).
         num_iterations: optimizer steps per rollout batch; above 1 the old log-probs are cached too.
         mask_truncated_completions: completions that hit ``max_new_tokens`` without EOS get no gradient.
