@@ -43,7 +43,7 @@ class Intuitor(RefCachedGRPO):
         self_certainty_weight: weight of self-certainty in the reward.
         reward_funcs: optional external rewards (import paths), added with ``reward_weights``; none by default.
         loss: the loss options as in :class:`RefCachedGRPO`; ``loss.beta``, the KL coefficient to the reference,
-            defaults to 0.005 here, 0.005 in the paper's configuration.
+            defaults to 0.005 in the paper's configuration and here.
         **kwargs: everything else as in :class:`RefCachedGRPO` (``metric_funcs`` are logged, never rewarded).
 
     Example::
