@@ -88,6 +88,7 @@ def _measure(method: RefCachedGRPO, data: PromptDataModule, root: Path, steps: i
             {
                 "loss": LossSettings(
                     loss_type="cispo",
+                    beta=0.04,  # the method's default, so the reference pass is predicted too
                     epsilon_high=5.0,
                     importance_sampling_level="sequence",
                     top_entropy_quantile=0.2,
