@@ -19,7 +19,7 @@ masking; see :mod:`lit_rl.losses` and the table in ``docs/methods.md``). How it 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -140,6 +140,7 @@ class RefCachedGRPO(RLMethod):
         super().__init__(**kwargs)
         # hparams saved in a checkpoint hold the dataclass as a dict
         self.loss = LossSettings(**loss) if isinstance(loss, dict) else loss
+        self.hparams["loss"] = asdict(self.loss)  # plain values, as LightningCLI saves them: weights_only loads them
         self._check_settings()
         paths = self._default_rewards() if reward_funcs is None else list(reward_funcs)
         self.reward_names, self.reward_fns = self.resolve_functions(paths, "model.reward_funcs")
