@@ -20,11 +20,13 @@ on a release whose wording it cannot read, the answer is jsonargparse's own mess
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import difflib
 import importlib
 import inspect
 import os
 import re
+import typing
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -287,15 +289,24 @@ def _parse_error(err: argparse.ArgumentError, chain: list[BaseException]) -> str
 
 
 def _suggest(option: str, class_path: str, section: str) -> str:
-    """Close option names of ``class_path`` (read from its signatures) and where the list is."""
+    """Close option names of ``class_path`` (read from its signatures) and where the list is.
+
+    A field of a dataclass group (``loss.beta``) is suggested for its bare name (``beta``), which is how an option
+    read before it moved into the group.
+    """
     module, _, name = class_path.rpartition(".")
     names: set[str] = set()
+    grouped: dict[str, str] = {}  # field name -> group.field
     try:
         for klass in inspect.getmro(getattr(importlib.import_module(module), name)):
             if "__init__" in vars(klass):
                 names |= set(inspect.signature(klass.__init__).parameters) - {"self", "args", "kwargs"}
-    except (ImportError, AttributeError, TypeError, ValueError):
+                for group, hint in typing.get_type_hints(klass.__init__).items():
+                    for kind in (hint, *typing.get_args(hint)):
+                        if dataclasses.is_dataclass(kind):
+                            grouped |= {f.name: f"{group}.{f.name}" for f in dataclasses.fields(kind)}
+    except (ImportError, AttributeError, TypeError, ValueError, NameError):
         pass
-    close = difflib.get_close_matches(option, sorted(names), n=1)
+    close = [grouped[option]] if option in grouped else difflib.get_close_matches(option, sorted(names), n=1)
     where = f"`lit-rl fit --{section.split('.')[0]}.help {name}` lists the options"
     return f"did you mean {close[0]}? {where}" if close else where

@@ -181,7 +181,7 @@ def test_help_lists_every_option_through_the_constructor_chain(method):
     )
     assert out.returncode == 0, out.stderr
     # own options, the GRPO options Intuitor forwards, and the base options every method forwards
-    for option in ("num_generations", "beta", "loss_type", "name_or_path", "lora", "learning_rate",
+    for option in ("num_generations", "loss.beta", "loss.loss_type", "name_or_path", "lora", "learning_rate",
                    "micro_batch_size", "max_nonfinite_steps", "metric_funcs"):  # fmt: skip
         assert f"--model.{option} " in out.stdout, option
     own_help = {"RefCachedGRPO": "skips the reference pass entirely", "Intuitor": "0.005 in the paper"}[method]

@@ -30,6 +30,7 @@ from lightning.pytorch.plugins.precision import HalfPrecision
 
 from lit_rl.callbacks import MemoryProfiler
 from lit_rl.data import PromptDataModule
+from lit_rl.losses import LossSettings
 from lit_rl.methods import GumbelTopK, Intuitor, RefCachedGRPO
 from lit_rl.models.shared_prompt import group_runs
 
@@ -38,10 +39,11 @@ METHODS = {
     # a reward every tiny random model can improve on, so the advantages are never all zero
     "grpo": lambda: RefCachedGRPO(
         name_or_path="tiny:llama", reward_funcs=["test_grpo.longer_is_better"], num_generations=2, max_new_tokens=6,
-        temperature=0.7, beta=0.1, learning_rate=1e-2,
+        temperature=0.7, loss=LossSettings(beta=0.1), learning_rate=1e-2,
     ),
     "intuitor": lambda: Intuitor(
-        name_or_path="tiny:llama", num_generations=2, max_new_tokens=6, temperature=0.7, beta=0.1, learning_rate=1e-2,
+        name_or_path="tiny:llama", num_generations=2, max_new_tokens=6, temperature=0.7, loss=LossSettings(beta=0.1),
+        learning_rate=1e-2,
     ),
     "gumbel_topk": lambda: GumbelTopK(
         name_or_path="tiny:llama", reward_model="tiny:llama", max_new_tokens=4, gumbel_topk=8, temperature=0.8,

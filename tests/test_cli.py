@@ -24,15 +24,16 @@ def test_model_help_lists_options_with_memory_effect(capsys):
     with pytest.raises(SystemExit):
         main(["fit", "--model.help", "RefCachedGRPO"])
     text = " ".join(capsys.readouterr().out.split())  # help text is wrapped to the terminal width
-    assert "--model.beta BETA" in text and "skips the reference pass entirely" in text
+    assert "--model.loss.beta BETA" in text and "skips the reference pass entirely" in text
 
 
 def test_print_config_applies_overrides(capsys):
     with pytest.raises(SystemExit):
-        main(["fit", "--config", str(ROOT / "configs/grpo.yaml"), "--model.init_args.beta", "0", "--print_config"])
+        main(["fit", "--config", str(ROOT / "configs/grpo.yaml"), "--model.init_args.loss.beta", "0", "--print_config"])
     config = yaml.safe_load(capsys.readouterr().out)
     assert config["model"]["class_path"] == "lit_rl.methods.RefCachedGRPO"
-    assert config["model"]["init_args"]["beta"] == 0
+    assert config["model"]["init_args"]["loss"]["beta"] == 0
+    assert config["model"]["init_args"]["loss"]["epsilon_high"] == 0.28  # the rest of the config's group stays
     assert config["data"]["class_path"] == "lit_rl.data.PromptDataModule"
 
 

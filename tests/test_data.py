@@ -137,6 +137,7 @@ def test_resumed_run_continues_the_same_prompt_stream(tmp_path):
     import lightning as L
     from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
+    from lit_rl.losses import LossSettings
     from lit_rl.methods import RefCachedGRPO
 
     class Seen(Callback):
@@ -159,7 +160,9 @@ def test_resumed_run_continues_the_same_prompt_stream(tmp_path):
             enable_checkpointing=save,
             default_root_dir=tmp_path,
         )
-        method = RefCachedGRPO(name_or_path="tiny:llama", num_generations=2, max_new_tokens=3, beta=0.0)
+        method = RefCachedGRPO(
+            name_or_path="tiny:llama", num_generations=2, max_new_tokens=3, loss=LossSettings(beta=0.0)
+        )
         trainer.fit(method, PromptDataModule(num_prompts=40, batch_size=2, sampler="uniform"), ckpt_path=ckpt)
         return seen.indices
 

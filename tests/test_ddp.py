@@ -76,7 +76,7 @@ METHODS = {
         ],
     ),
     # entropy masking takes one threshold over both ranks' tokens
-    "intuitor": ("intuitor_tiny.yaml", ["--model.init_args.top_entropy_quantile", "0.5"]),
+    "intuitor": ("intuitor_tiny.yaml", ["--model.init_args.loss.top_entropy_quantile", "0.5"]),
     "gumbel_topk": ("gumbel_topk_tiny.yaml", []),
 }
 

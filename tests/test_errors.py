@@ -105,8 +105,8 @@ CATALOGUE = [
      "trainer.max_stepz (in {d}/typo.yaml): not an option; did you mean trainer.max_steps?"),
     ("wrong type", ["--config", str(GRPO), "--data.init_args.batch_size", "x"],
      "data.batch_size: expected int, got 'x'; give a value of type int"),
-    ("not a choice", ["--config", str(GRPO), "--model.init_args.loss_type", "ppo"],
-     "model.loss_type: 'ppo' is not one of 'grpo', 'bnpo', 'dr_grpo', 'dapo', 'cispo', 'sapo', 'luspo', 'vespo'; use one of "
+    ("not a choice", ["--config", str(GRPO), "--model.init_args.loss.loss_type", "ppo"],
+     "model.loss.loss_type: 'ppo' is not one of 'grpo', 'bnpo', 'dr_grpo', 'dapo', 'cispo', 'sapo', 'luspo', 'vespo'; use one of "
      "them"),
     ("num_generations 1", ["--config", str(GRPO), "--model.init_args.num_generations", "1"],
      "model.num_generations: must be >= 2 (a group needs two completions to compare), got 1; set it to 2 or more"),
@@ -149,6 +149,12 @@ CATALOGUE = [
      "model.lora.r: must be >= 1, got 0; set the adapter rank to 1 or more"),
     ("lora dropout", ["--config", str(GRPO), "--model.init_args.lora.dropout", "1.5"],
      "model.lora.dropout: must be in [0, 1), got 1.5; use 0 to switch it off"),
+    ("loss option outside its group", ["--config", str(GRPO), "--model.init_args.beta", "0"],
+     "model.beta: not an option of lit_rl.methods.RefCachedGRPO; did you mean loss.beta?"),
+    ("loss delta", ["--config", str(GRPO), "--model.init_args.loss.delta", "0.5"],
+     "model.loss.delta: must be > 1 (a cap on the ratio, above 1 + epsilon_high), got 0.5; INTELLECT-2 uses 4.0"),
+    ("cispo cap", ["--config", str(GRPO), "--model.init_args.loss.loss_type", "cispo"],
+     "model.loss.epsilon_high: 0.2 under loss_type cispo caps the importance weight itself"),
     ("unknown trainer option", ["--config", str(GRPO), "--trainer.max_stepz", "3"],
      "trainer.max_stepz: not an option; did you mean trainer.max_steps?"),
     ("class path", ["--config", str(GRPO), "--model", "no.such.Method"],

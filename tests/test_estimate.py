@@ -14,6 +14,7 @@ import torch
 from lit_rl.callbacks import ActivationCheckpointing, MemoryProfiler
 from lit_rl.cli import main as cli_main
 from lit_rl.data import PromptDataModule
+from lit_rl.losses import LossSettings
 from lit_rl.memory.estimate import (
     BUILTIN_SHAPES,
     estimate_for_trainer,
@@ -85,11 +86,14 @@ def _measure(method: RefCachedGRPO, data: PromptDataModule, root: Path, steps: i
         ),
         pytest.param(  # the loss options add only [B, T] tensors: no special case in the estimator
             {
-                "loss_type": "cispo",
-                "epsilon_high": 5.0,
-                "importance_sampling_level": "sequence",
-                "top_entropy_quantile": 0.2,
-                "entropy_coef": 0.01,
+                "loss": LossSettings(
+                    loss_type="cispo",
+                    beta=0.04,  # the method's default, so the reference pass is predicted too
+                    epsilon_high=5.0,
+                    importance_sampling_level="sequence",
+                    top_entropy_quantile=0.2,
+                    entropy_coef=0.01,
+                ),
                 "micro_batch_size": 3,
             },
             {},
@@ -211,7 +215,8 @@ def test_qwen_shape_builds_without_network():
     assert (config.hidden_size, config.num_hidden_layers, config.intermediate_size) == (2048, 36, 11008)
     assert (config.num_attention_heads, config.num_key_value_heads, config.vocab_size) == (16, 2, 151936)
     estimate = estimate_step(
-        _method(max_new_tokens=2, num_generations=2, beta=0.0),  # beta 0: no reference copy, no reference pass
+        # beta 0: no reference copy, no reference pass
+        _method(max_new_tokens=2, num_generations=2, loss=LossSettings(beta=0.0)),
         model_config="shape:qwen2.5-3b",
         batch_size=1,
         prompt_length=4,

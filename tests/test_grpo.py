@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from lit_rl.data import PromptDataModule
+from lit_rl.losses import LossSettings
 from lit_rl.methods import RefCachedGRPO
 from lit_rl.methods.grpo import Rollout
 from lit_rl.models import LoraSettings
@@ -143,7 +144,7 @@ def _params(module):
 
 
 def test_full_finetune_step_changes_every_trainable_weight_that_gets_gradient(capture_logger):
-    method = _method(beta=0.1)
+    method = _method(loss=LossSettings(beta=0.1))
     trainer = _trainer(capture_logger)
     method.setup("fit")
     method.configure_model()
@@ -177,7 +178,11 @@ def test_full_finetune_step_changes_every_trainable_weight_that_gets_gradient(ca
 
 
 def test_lora_step_trains_adapters_and_leaves_base_untouched():
-    method = _method(lora=LoraSettings(r=4, alpha=8, target_modules=["q_proj", "v_proj"]), beta=0.1, micro_batch_size=3)
+    method = _method(
+        lora=LoraSettings(r=4, alpha=8, target_modules=["q_proj", "v_proj"]),
+        loss=LossSettings(beta=0.1),
+        micro_batch_size=3,
+    )
     method.setup("fit")
     method.configure_model()
     before = _params(method)
@@ -202,7 +207,7 @@ class PhaseLog:
 
 @pytest.mark.parametrize(("beta", "iterations", "references"), [(0.0, 1, 0), (0.1, 1, 1), (0.0, 2, 1)])
 def test_reference_pass_runs_once_per_rollout_batch_or_never(beta, iterations, references):
-    method = _method(beta=beta, num_iterations=iterations, micro_batch_size=2)
+    method = _method(loss=LossSettings(beta=beta), num_iterations=iterations, micro_batch_size=2)
     listener = PhaseLog()
     method.phases.add_listener(listener)
     _trainer(steps=iterations).fit(method, _data())
@@ -217,8 +222,11 @@ def test_reference_pass_runs_once_per_rollout_batch_or_never(beta, iterations, r
     ("kw", "message"),
     [
         (dict(num_generations=1), "num_generations: must be >= 2"),
-        (dict(loss_type="ppo"), "loss_type: 'ppo' is not one of"),
-        (dict(epsilon_low=0.3, epsilon_high=0.2), r"epsilon_high: 0.2 < model.epsilon_low \(0.3\)"),
+        (dict(loss={"loss_type": "ppo"}), "model.loss.loss_type: 'ppo' is not one of"),
+        (
+            dict(loss={"epsilon_low": 0.3, "epsilon_high": 0.2}),
+            r"model.loss.epsilon_high: 0.2 < model.loss.epsilon_low \(0.3\)",
+        ),
         (dict(reward_funcs=["no.such.fn"]), r"reward_funcs\[0\]: cannot import 'no.such.fn'"),
         (dict(reward_weights=[1.0, 2.0]), "reward_weights: has 2 entries for 1 reward_funcs"),
         (dict(max_new_tokens=4, min_new_tokens=5), r"min_new_tokens: must be in \[0, max_new_tokens=4\]"),
@@ -255,7 +263,7 @@ def test_reward_function_error_names_function_and_sample():
 
 
 def test_bf16_true_trains_and_keeps_log_prob_math_in_float32():
-    method = _method(beta=0.1)
+    method = _method(loss=LossSettings(beta=0.1))
     trainer = _trainer(precision="bf16-true")
     trainer.fit(method, _data())
     assert trainer.global_step == 1

@@ -8,14 +8,16 @@ same pass, and the micro-batches of a step add up to the loss of the whole rollo
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import math
 
 import pytest
 import torch
 from test_grpo import _data, _method, _ready, _trainer
 
-from lit_rl.losses import GLOBAL_TOKEN_LOSS_TYPES, LOSS_TYPES, entropy_bonus, grpo_loss, high_entropy_mask
-from lit_rl.methods import Intuitor
+from lit_rl.losses import GLOBAL_TOKEN_LOSS_TYPES, LOSS_TYPES, LossSettings, entropy_bonus, grpo_loss, high_entropy_mask
+from lit_rl.methods import Intuitor, RefCachedGRPO
 from lit_rl.methods.grpo import Rollout
 
 OPTIONS = {
@@ -64,7 +66,8 @@ def _full_logits_stats(method, rollout: Rollout) -> tuple[torch.Tensor, torch.Te
 def test_step_loss_is_the_loss_of_the_models_own_logits(name):
     torch.manual_seed(0)
     options = OPTIONS[name]
-    method = _ready(_method(micro_batch_size=3, temperature=0.8, **options))  # micro-batches of 3, 3 and 2
+    settings = LossSettings(**{"beta": 0.04, **options})  # the method's default KL coefficient unless set
+    method = _ready(_method(micro_batch_size=3, temperature=0.8, loss=settings))  # micro-batches of 3, 3 and 2
     rollout = _rollout(method)
     num_items = float(rollout.completion_mask.sum())
     total = sum(method.policy_loss(rollout, sl, num_items)[0] for sl in method.micro_batches(len(rollout)))
@@ -80,7 +83,7 @@ def test_step_loss_is_the_loss_of_the_models_own_logits(name):
         rho = options.get("top_entropy_quantile", 1.0)
         token_mask = high_entropy_mask(own, mask, rho) if rho < 1 else None
         kw = {k: v for k, v in options.items() if k not in ("top_entropy_quantile", "entropy_coef")}
-        kw.setdefault("beta", method.hparams.beta)  # the method's default KL coefficient
+        kw.setdefault("beta", settings.beta)
         loss, _ = grpo_loss(
             logp[sl], rollout.old_logp[sl].double(), rollout.ref_logp[sl].double(), rollout.advantages[sl].double(),
             mask, max_completion_length=method.hparams.max_new_tokens, num_items_in_batch=num_items,
@@ -98,7 +101,8 @@ def test_step_loss_is_the_loss_of_the_models_own_logits(name):
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_every_loss_type_trains_and_logs_its_statistics(loss_type):
     extra = {"cispo": dict(epsilon_high=5.0), "luspo": dict(importance_sampling_level="sequence")}.get(loss_type, {})
-    method = _method(loss_type=loss_type, num_iterations=2, top_entropy_quantile=0.5, **extra)
+    settings = LossSettings(loss_type=loss_type, beta=0.04, top_entropy_quantile=0.5, **extra)
+    method = _method(loss=settings, num_iterations=2)
     before = {n: p.detach().clone() for n, p in _ready(method).policy.named_parameters()}
     _trainer(steps=2).fit(method, _data())
     metrics = method.last_metrics
@@ -112,37 +116,46 @@ def test_every_loss_type_trains_and_logs_its_statistics(loss_type):
 
 
 def test_intuitor_takes_the_same_options():
-    method = Intuitor(name_or_path="tiny:llama", loss_type="cispo", epsilon_high=5.0, top_entropy_quantile=0.2)
-    assert (method.hparams.loss_type, method.hparams.top_entropy_quantile) == ("cispo", 0.2)
+    method = Intuitor(
+        name_or_path="tiny:llama", loss=LossSettings(loss_type="cispo", epsilon_high=5.0, top_entropy_quantile=0.2)
+    )
+    assert (method.loss.loss_type, method.loss.top_entropy_quantile) == ("cispo", 0.2)
+    assert Intuitor(name_or_path="tiny:llama").loss.beta == 0.005  # its own default, the paper's
+
+
+def test_loss_settings_come_back_from_a_checkpoints_dict():
+    """A checkpoint's hyper-parameters hold the group as a dict (what LightningCLI saves): the method rebuilds it."""
+    settings = LossSettings(loss_type="sapo", beta=0.1, sapo_temperature_neg=1.5)
+    method = _method(loss=dataclasses.asdict(settings))
+    assert method.loss == settings and method.needs_reference
 
 
 @pytest.mark.parametrize(
     ("kw", "message"),
     [
-        (dict(loss_type="cispo"), r"model.epsilon_high: 0.2 under loss_type cispo caps the importance weight"),
-        (dict(importance_sampling_level="batch"), "model.importance_sampling_level: 'batch' is not one of"),
-        (dict(delta=0.9), r"model.delta: must be > 1"),
-        (dict(sapo_temperature_pos=0.0), "model.sapo_temperature_pos: must be > 0"),
-        (dict(top_entropy_quantile=1.2), r"model.top_entropy_quantile: must be in \[0, 1\]"),
-        (dict(entropy_coef=-0.1), "model.entropy_coef: must be >= 0"),
-        (dict(off_policy_mask_threshold=-1.0), "model.off_policy_mask_threshold: must be >= 0"),
+        (dict(loss_type="cispo"), r"model.loss.epsilon_high: 0.2 under loss_type cispo caps the importance weight"),
+        (dict(importance_sampling_level="batch"), "model.loss.importance_sampling_level: 'batch' is not one of"),
+        (dict(delta=0.9), r"model.loss.delta: must be > 1"),
+        (dict(sapo_temperature_pos=0.0), "model.loss.sapo_temperature_pos: must be > 0"),
+        (dict(top_entropy_quantile=1.2), r"model.loss.top_entropy_quantile: must be in \[0, 1\]"),
+        (dict(entropy_coef=-0.1), "model.loss.entropy_coef: must be >= 0"),
+        (dict(off_policy_mask_threshold=-1.0), "model.loss.off_policy_mask_threshold: must be >= 0"),
+        (dict(beta=-0.1), "model.loss.beta: must be >= 0"),
+        (dict(epsilon_low=1.0, epsilon_high=1.0), r"model.loss.epsilon_low: must be in \[0, 1\)"),
     ],
 )
 def test_bad_loss_settings_fail_at_construction(kw, message):
     with pytest.raises(ValueError, match=message):
-        _method(**kw)
+        _method(loss=LossSettings(**kw))
 
 
-def test_every_loss_option_is_a_method_option_with_the_losss_default():
-    """The method passes POLICY_LOSS_OPTIONS on by name: each must be an option of both, with one default (beta aside:
-    the method's KL coefficient defaults to 0.04, the bare loss to none)."""
-    import inspect
-
-    from lit_rl.losses import POLICY_LOSS_OPTIONS
-    from lit_rl.methods import RefCachedGRPO
-
-    loss = inspect.signature(grpo_loss).parameters
-    method = inspect.signature(RefCachedGRPO.__init__).parameters
-    assert set(POLICY_LOSS_OPTIONS) <= set(loss) and set(POLICY_LOSS_OPTIONS) <= set(method)
-    differ = {n for n in POLICY_LOSS_OPTIONS if loss[n].default != method[n].default}
-    assert differ == {"beta"}
+def test_the_loss_options_are_written_once():
+    """Every loss option is a field of LossSettings only: neither a flat option of a method nor a keyword of grpo_loss;
+    each method's default group differs from LossSettings' defaults in beta alone (the method's KL coefficient)."""
+    names = {f.name for f in dataclasses.fields(LossSettings)}
+    assert names.isdisjoint(inspect.signature(grpo_loss).parameters)
+    for cls, beta in ((RefCachedGRPO, 0.04), (Intuitor, 0.005)):
+        params = inspect.signature(cls.__init__).parameters
+        assert names.isdisjoint(params), cls
+        default = params["loss"].default
+        assert dataclasses.replace(default, beta=0.0) == LossSettings() and default.beta == beta, cls

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from lit_rl.data import PromptDataModule
+from lit_rl.losses import LossSettings
 from lit_rl.methods import Intuitor
 from lit_rl.methods.grpo import Rollout
 
@@ -42,7 +43,7 @@ def test_self_certainty_reward_matches_full_logits_reference(temperature):
         reward_funcs=["test_intuitor.constant_one"],
         reward_weights=[0.5],
         self_certainty_weight=2.0,
-        beta=0.0,
+        loss=LossSettings(beta=0.0),
     )
     torch.manual_seed(0)
     ids = torch.randint(3, 90, (4, 10))
@@ -58,7 +59,7 @@ def test_self_certainty_reward_matches_full_logits_reference(temperature):
 
 
 def test_old_log_probs_come_from_the_same_pass():
-    method = _method(num_iterations=2, beta=0.0)
+    method = _method(num_iterations=2, loss=LossSettings(beta=0.0))
     ids = torch.randint(3, 90, (2, 8))
     ids[1, :5] = ids[0, :5]  # one group: two completions of one prompt
     rollout = Rollout(ids, torch.ones_like(ids), torch.ones(2, 3), 5, torch.zeros(2), torch.zeros(2))

@@ -7,7 +7,17 @@ import math
 import pytest
 import torch
 
-from lit_rl.losses import CLIPPED_LOSS_TYPES, LOSS_TYPES, frac_zero_std, group_advantages, grpo_loss, masked_mean
+from lit_rl.losses import (
+    CLIPPED_LOSS_TYPES,
+    LOSS_TYPES,
+    NORMALISATIONS,
+    POLICY_TERMS,
+    LossSettings,
+    frac_zero_std,
+    group_advantages,
+    grpo_loss,
+    masked_mean,
+)
 
 # ---------------------------------------------------------------------------------------------
 # A small explicit example, B=2, T=3, the first sequence padded by one token.
@@ -314,10 +324,10 @@ def test_bool_mask_equals_int_mask():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"loss_type": "ppo"}, r"loss_type must be one of \('grpo', 'bnpo', 'dr_grpo', 'dapo', 'cispo'"),
-        ({"importance_sampling_level": "batch"}, "importance_sampling_level must be one of"),
-        ({"delta": 1.0}, "delta must be > 1"),
-        ({"loss_type": "sapo", "sapo_temperature_neg": 0.0}, "sapo temperatures must be > 0"),
+        ({"loss_type": "ppo"}, r"loss_type: 'ppo' is not one of \('grpo', 'bnpo', 'dr_grpo', 'dapo', 'cispo'"),
+        ({"importance_sampling_level": "batch"}, "importance_sampling_level: 'batch' is not one of"),
+        ({"delta": 1.0}, "delta: must be > 1"),
+        ({"loss_type": "sapo", "sapo_temperature_neg": 0.0}, "sapo_temperature_neg: must be > 0"),
         ({"epsilon_low": 0.3, "epsilon_high": 0.2}, "epsilon_high"),
         ({"epsilon_low": 1.0, "epsilon_high": 1.0}, "epsilon_low"),
         ({"loss_type": "dr_grpo"}, "max_completion_length"),
@@ -327,6 +337,24 @@ def test_bool_mask_equals_int_mask():
 def test_bad_options_raise(kwargs, match):
     with pytest.raises(ValueError, match=match):
         grpo_loss(LOGP, OLD, None, ADV, MASK, **kwargs)
+
+
+def test_an_unknown_option_is_refused():
+    with pytest.raises(TypeError, match="epsilon"):
+        grpo_loss(LOGP, OLD, None, ADV, MASK, epsilon=0.2)  # TRL's name for epsilon_low
+
+
+def test_settings_and_keywords_give_the_same_loss():
+    kw = {"loss_type": "bnpo", "epsilon_high": 0.28, "delta": 1.5}
+    by_keywords = grpo_loss(LOGP, OLD, None, ADV, MASK, **kw)
+    by_settings = grpo_loss(LOGP, OLD, None, ADV, MASK, settings=LossSettings(**kw))
+    overridden = grpo_loss(LOGP, OLD, None, ADV, MASK, settings=LossSettings(loss_type="grpo"), **kw)
+    assert by_keywords[0].item() == by_settings[0].item() == overridden[0].item()
+    assert by_keywords[1] == by_settings[1] == overridden[1]
+
+
+def test_every_loss_type_has_a_policy_term_and_a_normalisation():
+    assert tuple(POLICY_TERMS) == tuple(NORMALISATIONS) == LOSS_TYPES
 
 
 def test_bad_shapes_raise():

@@ -447,9 +447,10 @@ def test_fragments_compose(tmp_path):
 
 def test_profiler_on_grpo_logs_prediction_and_counts_the_frozen_reference(capture_logger, tmp_path):
     from lit_rl.data import PromptDataModule
+    from lit_rl.losses import LossSettings
     from lit_rl.methods import RefCachedGRPO
 
-    method = RefCachedGRPO(name_or_path="tiny:llama", num_generations=2, max_new_tokens=4, beta=0.1)
+    method = RefCachedGRPO(name_or_path="tiny:llama", num_generations=2, max_new_tokens=4, loss=LossSettings(beta=0.1))
     trainer = Trainer(
         max_steps=1, logger=capture_logger, callbacks=[MemoryProfiler()], enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1, default_root_dir=tmp_path,

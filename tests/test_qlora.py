@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from lit_rl.cli import LitRLCLI, main
 from lit_rl.data import PromptDataModule
+from lit_rl.losses import LossSettings
 from lit_rl.memory.estimate import estimate_step
 from lit_rl.methods import GumbelTopK, RefCachedGRPO
 from lit_rl.models import LoraSettings, head_spec, trunk_hidden
@@ -32,7 +33,7 @@ def longer_is_better(completions, **_):
 
 def _grpo(**kw) -> RefCachedGRPO:
     args = dict(name_or_path="tiny:llama", reward_funcs=["test_qlora.longer_is_better"], max_new_tokens=6,
-                num_generations=4, learning_rate=1e-2, lora=LORA, quantize_base="nf4", beta=0.1)  # fmt: skip
+                num_generations=4, learning_rate=1e-2, lora=LORA, quantize_base="nf4", loss=LossSettings(beta=0.1))  # fmt: skip
     return RefCachedGRPO(**{**args, **kw})
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lit_rl.losses import LossSettings
 from lit_rl.methods import Intuitor, RefCachedGRPO
 from lit_rl.methods.grpo import Rollout
 from lit_rl.models import (
@@ -126,7 +127,7 @@ def test_intuitor_self_certainty_pass_shares_the_prompt_exactly():
     rollout = _rollout()
     results = []
     for share in (False, True):
-        method = _method(Intuitor, micro_batch_size=5, share_prompt=share, beta=0.0)
+        method = _method(Intuitor, micro_batch_size=5, share_prompt=share, loss=LossSettings(beta=0.0))
         logp, certainty = method.micro_batched_stats(method.policy, rollout, self_certainty=True)
         results.append((logp, certainty))
     for a, b in zip(*results):

@@ -7,11 +7,11 @@ What is here and where it comes from:
   (arXiv 2503.20783) and ``"batch"`` dividing by the whole batch's std.
 - :func:`grpo_loss`: the policy-gradient surrogate of one micro-batch. Its parts, each optional:
 
-  - the **policy term**, chosen by ``loss_type``: PPO's clipped surrogate with GRPO's group advantages
-    (``grpo``, ``bnpo``, ``dr_grpo``, ``dapo``, ``luspo``), asymmetric clipping (DAPO's clip-higher,
-    arXiv 2503.14476) and INTELLECT-2's two-sided clip ``delta`` (arXiv 2505.07291); CISPO's clipped,
-    detached importance weight times ``log p`` (MiniMax-M1, arXiv 2506.13585); SAPO's sigmoid gate
-    (arXiv 2511.20347); VESPO's gamma weight of the sequence ratio (arXiv 2602.10693);
+  - the **policy term**, chosen by ``loss_type`` in the table :data:`POLICY_TERMS`: PPO's clipped surrogate
+    with GRPO's group advantages (``grpo``, ``bnpo``, ``dr_grpo``, ``dapo``, ``luspo``), asymmetric clipping
+    (DAPO's clip-higher, arXiv 2503.14476) and INTELLECT-2's two-sided clip ``delta`` (arXiv 2505.07291);
+    CISPO's clipped, detached importance weight times ``log p`` (MiniMax-M1, arXiv 2506.13585); SAPO's sigmoid
+    gate (arXiv 2511.20347); VESPO's gamma weight of the sequence ratio (arXiv 2602.10693);
   - the **importance ratio** per token or, GSPO's (arXiv 2507.18071), one per sequence: the geometric mean
     of its tokens' ratios (:func:`importance_log_weights`);
   - **token masks** on the policy term: the top-entropy tokens only ("Beyond the 80/20 rule",
@@ -20,10 +20,12 @@ What is here and where it comes from:
   - the ``beta * k3`` **KL penalty** to a reference policy (Schulman, "Approximating KL divergence",
     2020), optionally multiplied by the importance ratio so its gradient is the unbiased reverse-KL
     gradient (DeepSeek-V3.2);
-  - the **normalisation** of the token sum, which ``loss_type`` also sets: per-sequence mean then mean
-    (``grpo``, ``sapo``), this micro-batch's token count (``bnpo``), ``B * max_completion_length``
-    (``dr_grpo``), the whole optimizer step's token count (``dapo``, ``cispo``, ``vespo``), or
-    per-sequence sum then mean (``luspo``, arXiv 2602.05261).
+  - the **normalisation** of the token sum, which ``loss_type`` also sets (the table :data:`NORMALISATIONS`):
+    per-sequence mean then mean (``grpo``, ``sapo``), this micro-batch's token count (``bnpo``),
+    ``B * max_completion_length`` (``dr_grpo``), the whole optimizer step's token count (``dapo``, ``cispo``,
+    ``vespo``), or per-sequence sum then mean (``luspo``, arXiv 2602.05261).
+- :class:`LossSettings`: every option above (and the entropy options below) as one dataclass, checked once when
+  built; a method takes it as its ``loss`` group (``model.init_args.loss`` in a config).
 - :func:`entropy_bonus`: the mean entropy an ``entropy_coef`` rewards (Skywork-OR1, arXiv 2505.22312,
   uses such a bonus).
 
@@ -45,14 +47,8 @@ How this differs from the papers and from TRL:
 """
 
 from lit_rl.losses.advantages import SCALE_REWARDS, frac_zero_std, group_advantages
-from lit_rl.losses.policy import (
-    CLIPPED_LOSS_TYPES,
-    GLOBAL_TOKEN_LOSS_TYPES,
-    LOSS_TYPES,
-    POLICY_LOSS_OPTIONS,
-    check_loss_settings,
-    grpo_loss,
-)
+from lit_rl.losses.policy import CLIPPED_LOSS_TYPES, GLOBAL_TOKEN_LOSS_TYPES, NORMALISATIONS, POLICY_TERMS, grpo_loss
+from lit_rl.losses.settings import LOSS_TYPES, LossSettings
 from lit_rl.losses.terms import (
     IMPORTANCE_SAMPLING_LEVELS,
     entropy_bonus,
@@ -69,9 +65,10 @@ __all__ = [
     "GLOBAL_TOKEN_LOSS_TYPES",
     "IMPORTANCE_SAMPLING_LEVELS",
     "LOSS_TYPES",
-    "POLICY_LOSS_OPTIONS",
+    "NORMALISATIONS",
+    "POLICY_TERMS",
     "SCALE_REWARDS",
-    "check_loss_settings",
+    "LossSettings",
     "entropy_bonus",
     "frac_zero_std",
     "group_advantages",

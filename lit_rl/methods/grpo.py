@@ -19,7 +19,7 @@ masking; see :mod:`lit_rl.losses` and the table in ``docs/methods.md``). How it 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -27,9 +27,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lit_rl.losses import (
     GLOBAL_TOKEN_LOSS_TYPES,
-    POLICY_LOSS_OPTIONS,
     SCALE_REWARDS,
-    check_loss_settings,
+    LossSettings,
     entropy_bonus,
     frac_zero_std,
     group_advantages,
@@ -94,29 +93,13 @@ class RefCachedGRPO(RLMethod):
             force every completion to full length so that two frameworks do equal work.
         temperature: sampling temperature; the log-probs are computed at the same temperature.
         top_p: nucleus sampling; 1.0 samples from the full distribution (what the ratio assumes).
-        beta: KL coefficient. ``beta = 0`` skips the reference pass entirely (no reference memory or time).
-        epsilon_low: lower clip of the ratio (TRL's ``epsilon``).
-        epsilon_high: upper clip (DAPO's clip-higher uses 0.28); under ``cispo`` the cap of the importance weight
-            itself, which must then be above 1 (ScaleRL uses 5.0).
-        loss_type: ``grpo``, ``bnpo``, ``dr_grpo``, ``dapo``, ``cispo``, ``sapo``, ``luspo`` or ``vespo``; each is
-            described, with its paper, in :func:`lit_rl.losses.grpo_loss`.
+        loss: the loss options, TRL's ``GRPOConfig`` names in one group (``model.init_args.loss``, see
+            :class:`~lit_rl.losses.LossSettings`): ``loss_type``, ``beta``, the clip range, GSPO, SAPO, VESPO, the
+            KL bias correction, the off-policy and entropy masks, the entropy bonus. ``loss.beta`` defaults to 0.04
+            here; ``beta = 0`` skips the reference pass entirely (no reference memory or time). Under ``cispo``,
+            ``loss.epsilon_high`` must be above 1. A config that sets some fields keeps these defaults for the
+            others; in Python, ``LossSettings(...)`` starts from its own (``beta`` 0).
         scale_rewards: ``group``, ``batch`` or ``none`` (Dr. GRPO).
-        importance_sampling_level: ``token``, or ``sequence`` for GSPO's one ratio per completion (GSPO uses it
-            with ``epsilon_low: 3.0e-4``, ``epsilon_high: 4.0e-4``).
-        delta: two-sided clip (INTELLECT-2): the ratio of a negative-advantage token is capped at ``delta`` (> 1);
-            ``null`` is off.
-        sapo_temperature_pos, sapo_temperature_neg: SAPO's gate temperatures for positive and other advantages.
-        vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg: VESPO's gamma weight (exponent, decay) for
-            non-negative and negative advantages.
-        top_entropy_quantile: train on this share of each micro-batch's completion tokens, those of highest entropy
-            ("Beyond the 80/20 rule" uses 0.2); 1.0 keeps every token. The entropy comes from the same chunked pass
-            as the log-probs; under DDP the threshold is taken over every process's tokens.
-        entropy_coef: weight of an entropy bonus, the mean entropy of the trained tokens subtracted from the loss.
-        use_bias_correction_kl: multiply the KL term by the importance ratio (DeepSeek-V3.2): its gradient is then
-            the unbiased reverse-KL gradient. TRL 1.16 turns it on by default; here it is off, so that existing
-            configs train as before: set it to ``true`` to match a TRL run with ``beta > 0``.
-        off_policy_mask_threshold: with ``num_iterations > 1``, drop negative-advantage completions whose mean KL
-            to the sampling policy exceeds this (DeepSeek-V3.2); ``null`` is off.
         num_iterations: optimizer steps per rollout batch; above 1 the old log-probs are cached too.
         mask_truncated_completions: completions that hit ``max_new_tokens`` without EOS get no gradient.
         chunk_size: tokens per logits chunk in the token math; ``null`` picks it from a 64 MiB budget.
@@ -131,7 +114,7 @@ class RefCachedGRPO(RLMethod):
 
     Example::
 
-        lit-rl fit --config configs/grpo.yaml --model.beta 0 --trainer.max_steps 5
+        lit-rl fit --config configs/grpo.yaml --model.loss.beta 0 --trainer.max_steps 5
     """
 
     phase_names: ClassVar[tuple[str, ...]] = ("rollout", "reference", "policy_forward", BACKWARD, OPTIMIZER)
@@ -146,30 +129,18 @@ class RefCachedGRPO(RLMethod):
         min_new_tokens: int = 0,
         temperature: float = 1.0,
         top_p: float = 1.0,
-        beta: float = 0.04,
-        epsilon_low: float = 0.2,
-        epsilon_high: float = 0.2,
-        loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"] = "dapo",
+        loss: LossSettings = LossSettings(beta=0.04),
         scale_rewards: Literal["group", "batch", "none"] = "group",
         num_iterations: int = 1,
         mask_truncated_completions: bool = False,
         chunk_size: int | None = None,
         share_prompt: bool = True,
-        importance_sampling_level: Literal["token", "sequence"] = "token",
-        delta: float | None = None,
-        sapo_temperature_pos: float = 1.0,
-        sapo_temperature_neg: float = 1.05,
-        vespo_k_pos: float = 2.0,
-        vespo_lambda_pos: float = 3.0,
-        vespo_k_neg: float = 3.0,
-        vespo_lambda_neg: float = 2.0,
-        top_entropy_quantile: float = 1.0,
-        entropy_coef: float = 0.0,
-        use_bias_correction_kl: bool = False,
-        off_policy_mask_threshold: float | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        # hparams saved in a checkpoint hold the dataclass as a dict
+        self.loss = LossSettings(**loss) if isinstance(loss, dict) else loss
+        self.hparams["loss"] = asdict(self.loss)  # plain values, as LightningCLI saves them: weights_only loads them
         self._check_settings()
         paths = self._default_rewards() if reward_funcs is None else list(reward_funcs)
         self.reward_names, self.reward_fns = self.resolve_functions(paths, "model.reward_funcs")
@@ -190,6 +161,10 @@ class RefCachedGRPO(RLMethod):
         # the reference pass when beta > 0 (needs_reference), one more policy pass for the old log-probs
         iterations = self.hparams.num_iterations
         return replace(super().step_work(), scoring_passes=int(iterations > 1), iterations=iterations)
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.loss.beta > 0
 
     def configure_model(self) -> None:
         loaded = self.policy is not None
@@ -212,9 +187,13 @@ class RefCachedGRPO(RLMethod):
             raise ValueError(
                 f"model.scale_rewards: {hp.scale_rewards!r} is not one of {SCALE_REWARDS}; use one of them"
             )
-        if hp.beta < 0:
-            raise ValueError(f"model.beta: must be >= 0, got {hp.beta}; use 0 to skip the reference pass")
-        check_loss_settings(hp, prefix="model.")
+        # LossSettings checked its own fields when built; this is a guard for a run, not for the loss: grpo_loss
+        # computes cispo at any cap, as TRL does (tests/test_losses_trl.py), but below 1 every token weighs less
+        if self.loss.loss_type == "cispo" and self.loss.epsilon_high <= 1:
+            raise ValueError(
+                f"model.loss.epsilon_high: {self.loss.epsilon_high} under loss_type cispo caps the importance weight "
+                f"itself, so every token would weigh at most {self.loss.epsilon_high}; set it above 1 (ScaleRL uses 5.0)"
+            )
         for name in ("num_iterations", "max_new_tokens"):
             if hp[name] < 1:
                 raise ValueError(f"model.{name}: must be >= 1, got {hp[name]}; set it to 1 or more")
@@ -358,7 +337,7 @@ class RefCachedGRPO(RLMethod):
         seq = s["prompt_length"] + c
         tc, vc = plan_chunks(mb * c, s["vocab"], s["hidden"], self.hparams.chunk_size, None, LOGITS_BUDGET_BYTES)
         full = mb * c * s["vocab"] * 4
-        caches = [n for n, on in (("reference", self.hparams.beta > 0), ("old", self.hparams.num_iterations > 1)) if on]
+        caches = [n for n, on in (("reference", self.loss.beta > 0), ("old", self.hparams.num_iterations > 1)) if on]
         rows = [
             (
                 "rollout tensors",
@@ -395,10 +374,10 @@ class RefCachedGRPO(RLMethod):
     def score_rollout(self, rollout: Rollout) -> dict[str, float] | None:
         """Reference (and old-policy) log-probs, once per rollout batch: phase ``reference``."""
         hp = self.hparams
-        if hp.beta == 0 and hp.num_iterations == 1:
+        if self.loss.beta == 0 and hp.num_iterations == 1:
             return  # nothing to cache: no KL term and the update is on-policy
         with self.phases("reference"):
-            if hp.beta > 0:
+            if self.loss.beta > 0:
                 rollout.ref_logp = self.reference_logp(rollout)
             if hp.num_iterations > 1:
                 rollout.old_logp = self.micro_batched_stats(self.policy, rollout)[0]
@@ -436,30 +415,30 @@ class RefCachedGRPO(RLMethod):
     # ------------------------------------------------------------------ update
     def policy_loss(self, rollout: Rollout, sl: slice, num_items: float) -> tuple[torch.Tensor, dict[str, float]]:
         """Loss of one micro-batch, scaled so the micro-batches of a step add up to the batch loss."""
-        hp = self.hparams
+        settings = self.loss
         stats = self._stats(self.policy, rollout, sl, entropy=True)
         mask = rollout.completion_mask[sl]  # [b, C]
         token_mask = None
-        if hp.top_entropy_quantile < 1:
+        if settings.top_entropy_quantile < 1:
             # one threshold for every process, as TRL takes it (a boolean index: real runs only, never the estimator)
             pooled = self.gather_ragged(stats.entropy.detach()[mask.bool()]) if self.world_size > 1 else None
-            token_mask = high_entropy_mask(stats.entropy, mask, hp.top_entropy_quantile, pooled=pooled)  # [b, C]
+            token_mask = high_entropy_mask(stats.entropy, mask, settings.top_entropy_quantile, pooled=pooled)  # [b, C]
         loss, loss_stats = grpo_loss(
             stats.logp,
             rollout.old_logp[sl] if rollout.old_logp is not None else None,
             rollout.ref_logp[sl] if rollout.ref_logp is not None else None,
             rollout.advantages[sl],
             mask,
-            max_completion_length=hp.max_new_tokens,
+            settings=settings,
+            max_completion_length=self.hparams.max_new_tokens,
             num_items_in_batch=num_items,
             token_mask=token_mask,
-            **{name: hp[name] for name in POLICY_LOSS_OPTIONS},
         )
         share = mask.shape[0] / len(rollout)  # this micro-batch's part of the rollout
-        if hp.loss_type not in GLOBAL_TOKEN_LOSS_TYPES:  # those already divide by the whole step's token count
+        if settings.loss_type not in GLOBAL_TOKEN_LOSS_TYPES:  # those already divide by the whole step's token count
             loss = loss * share
-        if hp.entropy_coef > 0:  # a mean entropy per micro-batch, added up over the step like the loss
-            loss = loss - hp.entropy_coef * share * entropy_bonus(stats.entropy, mask, token_mask)
+        if settings.entropy_coef > 0:  # a mean entropy per micro-batch, added up over the step like the loss
+            loss = loss - settings.entropy_coef * share * entropy_bonus(stats.entropy, mask, token_mask)
         loss_stats["entropy/mean"] = masked_mean(stats.entropy.detach(), mask).item()
         return loss, loss_stats
 

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from lit_rl.losses import masked_mean
+from lit_rl.losses import LossSettings, masked_mean
 from lit_rl.memory.rollout import StepWork
 from lit_rl.methods.grpo import RefCachedGRPO, Rollout
 
@@ -44,7 +44,8 @@ class Intuitor(RefCachedGRPO):
     Args:
         self_certainty_weight: weight of self-certainty in the reward.
         reward_funcs: optional external rewards (import paths), added with ``reward_weights``; none by default.
-        beta: KL coefficient to the reference; 0.005 in the paper's configuration.
+        loss: the loss options as in :class:`RefCachedGRPO`; ``loss.beta``, the KL coefficient to the reference,
+            defaults to 0.005 in the paper's configuration and here.
         **kwargs: everything else as in :class:`RefCachedGRPO` (``metric_funcs`` are logged, never rewarded).
 
     Example::
@@ -56,10 +57,10 @@ class Intuitor(RefCachedGRPO):
         self,
         self_certainty_weight: float = 1.0,
         reward_funcs: list[str] | None = None,
-        beta: float = 0.005,
+        loss: LossSettings = LossSettings(beta=0.005),
         **kwargs: Any,
     ) -> None:
-        super().__init__(reward_funcs=reward_funcs if reward_funcs is not None else [], beta=beta, **kwargs)
+        super().__init__(reward_funcs=reward_funcs if reward_funcs is not None else [], loss=loss, **kwargs)
         if self_certainty_weight == 0 and not self.reward_fns:
             raise ValueError(
                 "model.self_certainty_weight: is 0 and there are no reward_funcs, so nothing is rewarded; "
@@ -75,7 +76,7 @@ class Intuitor(RefCachedGRPO):
         """Reference log-probs, then self-certainty (and old log-probs) from one policy pass: phase ``reference``."""
         hp = self.hparams
         with self.phases("reference"):
-            if hp.beta > 0:
+            if self.loss.beta > 0:
                 rollout.ref_logp = self.reference_logp(rollout)
             old_logp, certainty = self.micro_batched_stats(self.policy, rollout, self_certainty=True)  # [B*G, C] x2
             if hp.num_iterations > 1:
