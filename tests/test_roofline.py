@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from lit_rl.callbacks import MemoryProfiler, RunLog
 from lit_rl.data import PromptDataModule
+from lit_rl.losses import LossSettings
 from lit_rl.memory.machine_rates import best_of, load_rates, measure_rates, save_rates
 from lit_rl.memory.rollout import step_work
 from lit_rl.memory.roofline import (
@@ -250,10 +251,10 @@ def test_rerate_puts_the_same_steps_beside_the_best_of_several_rates():
     ("cls", "options", "reference", "scoring", "iterations"),
     [
         (RefCachedGRPO, {}, True, 0, 1),
-        (RefCachedGRPO, {"beta": 0.0}, False, 0, 1),
-        (RefCachedGRPO, {"beta": 0.0, "num_iterations": 3}, False, 1, 3),
+        (RefCachedGRPO, {"loss": LossSettings(beta=0.0)}, False, 0, 1),
+        (RefCachedGRPO, {"loss": LossSettings(beta=0.0), "num_iterations": 3}, False, 1, 3),
         (Intuitor, {}, True, 1, 1),  # self-certainty, in the same policy pass as the old log-probs
-        (Intuitor, {"beta": 0.0, "num_iterations": 2}, False, 1, 2),
+        (Intuitor, {"loss": LossSettings(beta=0.0), "num_iterations": 2}, False, 1, 2),
         (GumbelTopK, {}, True, 0, 1),
         (GumbelTopK, {"beta": 0.0}, False, 0, 1),
     ],
