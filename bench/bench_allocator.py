@@ -81,12 +81,9 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-# runnable from a checkout without `pip install -e .`, with the sibling module this one uses
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+from harness import ChildFailed, report, run_measured
 
-from child_process import ChildFailed, report, run_measured  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 GIB = 2**30
 MARK = "BENCH_ALLOCATOR "

@@ -46,15 +46,20 @@ import tempfile
 import time
 from pathlib import Path
 
+from harness import (
+    ChildFailed,
+    cpu_flags,
+    git_commit,
+    mean,
+    read_scalar_events,
+    report,
+    run_measured,
+    thread_env,
+    versions,
+)
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-sys.path.insert(0, str(HERE))  # the sibling scripts this one reuses
-sys.path.insert(0, str(ROOT))  # runnable from a checkout without `pip install -e .`
-
-from bench_intuitor import git_commit, mean  # noqa: E402
-from bench_quantize import cpu_flags, versions  # noqa: E402
-from child_process import ChildFailed, report, run_measured  # noqa: E402
-from plot_run import read_scalar_events  # noqa: E402
 
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
 VERSIONED = ("torch", "transformers", "lightning")
@@ -161,7 +166,7 @@ def run_child(args: argparse.Namespace, precision: str, root: Path, profile: boo
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
     threads = str(args.threads)
-    env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
+    env = thread_env(int(threads))
     cmd = [sys.executable, __file__, "--child", "--precision", precision, "--root", str(root),
            "--steps", str(args.steps), "--every", str(args.every), "--profile-steps", str(args.profile_steps),
            "--config", args.config, "--threads", threads]  # fmt: skip

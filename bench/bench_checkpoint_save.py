@@ -35,15 +35,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from harness import git_commit, versions
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+from lit_rl.callbacks import StreamingCheckpointIO
+from lit_rl.memory.rss import read_peak_rss, read_rss, reset_peak_rss
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # runnable from a checkout without `pip install -e .`
-
-from bench_intuitor import git_commit  # noqa: E402
-from bench_quantize import versions  # noqa: E402
-from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO  # noqa: E402
-
-from lit_rl.callbacks import StreamingCheckpointIO  # noqa: E402
-from lit_rl.memory.rss import read_peak_rss, read_rss, reset_peak_rss  # noqa: E402
 
 GIB = 2**30
 LOG_ENV = "BENCH_CHECKPOINT_SAVE_LOG"  # the child appends one JSON line per save to this file

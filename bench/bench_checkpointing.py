@@ -52,12 +52,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from harness import ChildFailed, report, run_measured, thread_env
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-sys.path.insert(0, str(HERE))  # the sibling module this one uses
-sys.path.insert(0, str(ROOT))  # runnable from a checkout without `pip install -e .`
-
-from child_process import ChildFailed, report, run_measured  # noqa: E402
 
 GIB = 2**30
 MIB = 2**20
@@ -169,7 +167,7 @@ def child(args: argparse.Namespace) -> dict:
 
 def run_child(args: argparse.Namespace, workload: str, every: int) -> dict:
     """One run in a fresh interpreter; its lifetime peak RSS comes from ``wait4``."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env = thread_env(None)
     cmd = [sys.executable, __file__, "--child", "--workload", workload, "--every", str(every)]
     cmd += ["--steps", str(args.steps)] + (["--quick"] if args.quick else [])
     label = f"{workload} / every_n_layers {every or 'off'}"

@@ -36,17 +36,15 @@ import time
 from pathlib import Path
 
 import torch
+from harness import versions
+
+from lit_rl.data import PromptDataModule
+from lit_rl.methods.evaluation import sample_completions
+from lit_rl.models import load_causal_lm, load_tokenizer
+from lit_rl.models.compiled_decode import compile_seconds, compile_unsupported
+from lit_rl.models.decode import decode_unsupported
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-
-from bench_quantize import versions  # noqa: E402
-
-from lit_rl.data import PromptDataModule  # noqa: E402
-from lit_rl.methods.evaluation import sample_completions  # noqa: E402
-from lit_rl.models import load_causal_lm, load_tokenizer  # noqa: E402
-from lit_rl.models.compiled_decode import compile_seconds, compile_unsupported  # noqa: E402
-from lit_rl.models.decode import decode_unsupported  # noqa: E402
 
 SIDES = {"generate": False, "own": "own", "compiled": "compiled"}  # side -> sample_completions' own_decode
 

@@ -39,7 +39,6 @@ from pathlib import Path
 import numpy as np
 
 # runnable from a checkout without `pip install -e .`
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 LOGITS_VOCAB = 50_304  # the naive design: each prompt embedded as its mean-pooled logits, GPT-2's padded vocab
 SMOLLM2 = dict(hidden=576, layers=30, heads=9, kv_heads=3, intermediate=1536, vocab=49_152)

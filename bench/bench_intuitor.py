@@ -44,13 +44,12 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+import yaml
+from harness import git_commit, mean, read_scalars, shown
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-sys.path.insert(0, str(HERE))  # plot_run, the sibling that reads TensorBoard scalars
-
-import torch  # noqa: E402
-import yaml  # noqa: E402
-from plot_run import read_scalars  # noqa: E402
 
 # configs/intuitor.yaml's setting before this sweep: every setting starts from it (on the embedded config), so the
 # sweep reruns the same runs after the config moves to the setting it chose
@@ -126,13 +125,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def git_commit() -> str:
-    """Short hash of HEAD, with ``+changes`` when tracked files differ from it."""
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True)
-    return (head.stdout.strip() or "unknown") + ("+changes" if dirty.stdout.strip() else "")
-
-
 def fit_command(args: argparse.Namespace, name: str) -> list[str]:
     """The setting's ``lit-rl fit``; the shipped config keeps its own ``max_steps`` and evaluation interval."""
     if name == SHIPPED:
@@ -197,10 +189,6 @@ def read_run(folder: Path) -> tuple[dict[str, list[tuple[int, float]]], dict]:
     return series, yaml.safe_load((run_dir / "config.yaml").read_text())
 
 
-def mean(values: list[float]) -> float:
-    return sum(values) / len(values) if values else float("nan")
-
-
 def summarize(series: dict[str, list[tuple[int, float]]], config: dict) -> dict:
     """Held-out values per evaluation, first/last window means, where held-out accuracy first fell below its start."""
     masked = bool(config["model"]["init_args"].get("mask_truncated_completions", False))
@@ -232,12 +220,6 @@ def summarize(series: dict[str, list[tuple[int, float]]], config: dict) -> dict:
         "safe_until": steps[below[0] - 1] if below else steps[-1],  # last evaluation before that one
         "holds": acc[-1] >= acc[0] - 1e-9 and mean(scored[1]) > mean(scored[0]),
     }
-
-
-def shown(overrides: list[str]) -> str:
-    """``--model.init_args.key value`` pairs as ``key=value``, for the table."""
-    pairs = zip(overrides[::2], overrides[1::2])
-    return ", ".join(f"`{k.split('.')[-1]}={v}`" for k, v in pairs) or "(none)"
 
 
 def verdict(s: dict) -> str:

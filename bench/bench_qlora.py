@@ -54,14 +54,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from harness import git_commit, mean, read_scalar_events, training_seconds, versions
+from harness import run_fit as fit
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-sys.path.insert(0, str(HERE))  # the sibling scripts this one reuses
-
-from bench_gumbel_topk_vs_grpo import fit, training_seconds  # noqa: E402
-from bench_intuitor import git_commit, mean  # noqa: E402
-from bench_quantize import versions  # noqa: E402
-from plot_run import read_scalar_events  # noqa: E402
 
 VERSIONED = ("torch", "bitsandbytes", "peft", "transformers", "lightning")  # the packages the header names
 CONFIGS = {"lora": "configs/grpo_lora.yaml", "qlora": "configs/grpo_qlora.yaml"}

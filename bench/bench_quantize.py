@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import importlib.metadata
 import logging
 import os
 import platform
@@ -44,6 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from harness import cpu_flags, versions
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -295,26 +295,6 @@ def measure(backend: Backend, dtype: torch.dtype, shape: tuple[int, int, int], r
 
 
 # ---------------------------------------------------------------------------------------------- report
-def versions(dists: tuple[str, ...] = ("torch", "bitsandbytes", "torchao", "peft", "transformers")) -> dict[str, str]:
-    """``{distribution: installed version or "not installed"}``."""
-    out = {}
-    for dist in dists:
-        try:
-            out[dist] = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            out[dist] = "not installed"
-    return out
-
-
-def cpu_flags() -> str:
-    try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        return "?"
-    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
-    return ", ".join(f for f in wanted if f" {f}" in flags) or "none of avx2/avx512"
-
-
 def table(rows: list[Row], dense: dict[tuple[str, tuple[int, int, int]], Row]) -> list[str]:
     lines = [
         "| backend | dtype | tokens x in -> out | fwd+bwd ms | vs dense | no-grad fwd ms | vs dense | "

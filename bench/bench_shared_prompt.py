@@ -34,7 +34,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from plot_run import read_scalars  # bench/ is on the path when this runs as a script
+from harness import read_scalars  # bench/ is on the path when this runs as a script
 
 ROOT = Path(__file__).resolve().parents[1]
 PHASES = ("rollout", "reference", "policy_forward", "backward", "optimizer")

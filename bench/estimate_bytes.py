@@ -18,16 +18,12 @@ import tempfile
 import warnings
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+import bench_estimate
 
 try:
     from lit_rl.cli import estimate_from_args
 except ImportError:  # before the architecture change the estimator held its own CLI
     from lit_rl.memory.estimate import estimate_from_args
-
-import bench_estimate  # noqa: E402
 
 
 def main() -> None:

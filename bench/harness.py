@@ -2,7 +2,7 @@
 
 A benchmark measures the product the way a user runs it (``lit-rl fit`` with overrides, in a fresh process) and
 tabulates what the run logged, as litgpt's and torchtune's benchmark tables do. This module is imported by name
-(``import harness``): ``python bench/<script>.py`` puts ``bench/`` on ``sys.path`` first, so no script edits it.
+(``import harness``): ``python bench/<script>.py`` puts the script's own folder on the module path first.
 The library itself comes from the environment (``pip install -e .`` in this checkout); the child ``lit-rl fit``
 runs as ``python -m lit_rl`` from the repository root, so it always runs this checkout's code.
 
@@ -166,9 +166,10 @@ def run_measured(cmd: list[str], mark: str | None, env: dict[str, str], log: Pat
 
 
 def thread_env(threads: int | None) -> dict[str, str]:
-    """This process's environment with ``threads`` CPU threads for a child (a fixed count also fixes the
-    floating-point order, so seeded numbers repeat)."""
-    env = dict(os.environ)
+    """This process's environment for a child: this checkout first on ``PYTHONPATH`` (so a child that runs a
+    script, not ``-m lit_rl`` from the root, also imports this checkout's library) and ``threads`` CPU threads (a
+    fixed count also fixes the floating-point order, so seeded numbers repeat)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     if threads:
         env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     return env
