@@ -7,15 +7,17 @@ The YAML file holds everything that differs between studies:
 - ``title``, ``results`` (the file written in ``--results``, default ``<study>.md``), ``description`` (the paragraph
   under the header; ``{config}`` and the study's other top-level scalars are filled in);
 - ``config``, ``base`` (overrides every arm starts from), ``threads`` (CPU threads per run), ``arms``
-  (``name: [overrides]``), ``quick`` (``config``, ``base``, ``overrides`` added to every arm, ``arms``: a tiny
-  smoke test);
+  (``name: [overrides]``, or ``name: {overrides: [...], base: false, section: <heading>}`` for an arm that runs
+  without the base, tabulated under a heading of its own), ``quick`` (``config``, ``base``, ``overrides`` added
+  to every arm, ``arms``: a tiny smoke test);
 - ``read`` (``required`` and ``optional`` scalar keys), ``eval_key`` (the held-out metric whose evaluation steps
   ``{eval_steps}`` in a column header names);
 - ``columns``: ``header``, ``align`` (``right`` for numbers) and ``cell``, one of ``arm``, ``overrides`` (the
   arm's; ``{overrides: with_base}``: the base's too),
   ``{window: key, size: N}`` (first and last N values' means), ``{series: key}`` (every value), ``{last: key or
   [keys]}`` (the first key's last value that the run logged), ``{record: wall | peak_rss_mib}`` (the measured
-  child), ``{hook: name}``; with ``format`` (a Python format spec) and ``missing`` (the cell when absent);
+  child), ``{hook: name}``; with ``format`` (a Python format spec), ``missing`` (the cell when absent) and
+  ``optional: true`` (the column is left out when no arm has a value for it);
 - ``hook`` (optional): a module in ``bench/study_hooks/`` for what data cannot say (a derived column, a plot), with
   ``cells`` (``{name: function(arm) -> str}``) and ``after(study, arms, results_dir) -> list[str]`` (lines added
   to the results file, files written beside it). A study never imports another study.
@@ -57,6 +59,7 @@ class Arm:
     record: dict
     series: dict[str, list[tuple[int, float]]]
     run_dir: Path
+    section: str | None = None  # tabulated under a heading of its own
     extra: dict = field(default_factory=dict)  # what a hook computes once and reads in several cells
 
     def values(self, key: str) -> list[float]:
@@ -70,8 +73,10 @@ def load_study(name: str) -> dict:
         raise SystemExit(f"error: no study {name!r}: {path} does not exist; use one of {', '.join(study_names())}")
     study = yaml.safe_load(path.read_text())
     study["name"] = name
-    for arm, overrides in study["arms"].items():
-        if not isinstance(overrides, list) or len(overrides) % 2:
+    for arm, spec in study["arms"].items():
+        spec = study["arms"][arm] = spec if isinstance(spec, dict) else {"overrides": spec}
+        spec["overrides"] = [str(x) for x in spec.get("overrides") or []]
+        if len(spec["overrides"]) % 2:
             raise SystemExit(f"error: {path}: arm {arm}: overrides must be a list of flag, value pairs")
     for column in study["columns"]:
         cell = column["cell"]
@@ -131,11 +136,16 @@ def cell(column: dict, arm: Arm, hook) -> str:
 def table(study: dict, arms: list[Arm], hook) -> list[str]:
     """The study's markdown table: its header (``{eval_steps}`` filled in) and a row per arm."""
     steps = sorted({s for arm in arms for s in eval_steps(arm, study.get("eval_key", "val/correct_answer"))})
-    headers = [c["header"].format(eval_steps=", ".join(map(str, steps))) for c in study["columns"]]
-    aligns = ["---:" if c.get("align") == "right" else "---" for c in study["columns"]]
+    cells = {id(c): [cell(c, arm, hook) for arm in arms] for c in study["columns"]}
+    columns = [
+        c for c in study["columns"]
+        if not c.get("optional") or any(x != c.get("missing", "-") for x in cells[id(c)])
+    ]  # fmt: skip
+    headers = [c["header"].format(eval_steps=", ".join(map(str, steps))) for c in columns]
+    aligns = ["---:" if c.get("align") == "right" else "---" for c in columns]
     lines = ["| " + " | ".join(headers) + " |", "| " + " | ".join(aligns) + " |"]
-    for arm in arms:
-        lines.append("| " + " | ".join(cell(c, arm, hook) for c in study["columns"]) + " |")
+    for i in range(len(arms)):
+        lines.append("| " + " | ".join(cells[id(c)][i] for c in columns) + " |")
     return lines
 
 
@@ -148,6 +158,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--results", help="folder for the results file (default bench/results)")
     p.add_argument("--reuse", action="store_true", help="read an arm already run in --out instead of rerunning it")
     p.add_argument("--threads", type=int, help="CPU threads per run (default: the study's, else 1)")
+    p.add_argument("--keep-checkpoints", action="store_true", help="keep each run's .ckpt files (deleted by default)")
     p.add_argument("--quick", action="store_true", help="the study's tiny config, 1-2 steps, temporary folders")
     args = p.parse_args(argv)
     if args.list:
@@ -181,12 +192,16 @@ def main(argv: list[str] | None = None) -> str:
     keys = study.get("read", {})
     arms = []
     for i, name in enumerate(names):
-        overrides = [str(x) for x in study["arms"][name]]
-        extra = [*base, *overrides, *(str(x) for x in quick.get("overrides", []))]
+        spec = study["arms"][name]
+        overrides, arm_base = spec["overrides"], base if spec.get("base", True) else []
+        extra = [*arm_base, *overrides, *(str(x) for x in quick.get("overrides", []))]
         run, record = harness.run_fit(config, out / name, extra, reuse=args.reuse, threads=threads)
+        if not args.keep_checkpoints:  # weights and optimizer state: nothing in a table reads them
+            for ckpt in (out / name).rglob("*.ckpt"):
+                ckpt.unlink()
         series = harness.read_scalars(str(run), keys.get("required", []))
         series.update(harness.read_scalars(str(run), keys.get("optional", []), optional=True))
-        arms.append(Arm(name, overrides, base, record, series, run))
+        arms.append(Arm(name, overrides, arm_base, record, series, run, section=spec.get("section")))
         print(f"[{i + 1}/{len(names)}] {name}: {record['wall']:.0f} s", file=sys.stderr, flush=True)
 
     command = f"nice -n 10 python bench/study.py {study['name']}"
@@ -204,7 +219,11 @@ def main(argv: list[str] | None = None) -> str:
     ]
     if study.get("description"):
         lines += [" ".join(study["description"].split()).format(**fill), ""]
-    lines += table(study, arms, hook)
+    lines += table(study, [a for a in arms if not a.section], hook)
+    for section in dict.fromkeys(a.section for a in arms if a.section):
+        inside = [a for a in arms if a.section == section]
+        lines += ["", f"## {section}", "", f"Each run: `python -m lit_rl fit --config {config} <overrides>`.", ""]
+        lines += table(study, inside, hook)
     if hook is not None and hasattr(hook, "after"):
         lines += hook.after(study, arms, results)
     text = "\n".join(lines) + "\n"
