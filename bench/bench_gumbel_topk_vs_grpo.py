@@ -32,11 +32,10 @@ import json
 import os
 import platform
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 
-from harness import mean, read_scalar_events, training_seconds
+from harness import git_commit, mean, read_scalar_events, training_seconds
 from harness import run_fit as fit
 from heldout_examples import examples  # bench/ is on the path when this runs as a script
 
@@ -255,14 +254,14 @@ def main(argv: list[str] | None = None) -> str:
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.eval_every, args.memory_steps, args.window = 2, 1, 1, 1
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    commit = git_commit()
     out = Path(args.out)
     results = {
         name: collect(name, config, out, args.steps, args.eval_every, args.memory_steps, args.quick, args.reuse)
         for name, config in METHODS.items()
     }
     cmd = f"python bench/bench_gumbel_topk_vs_grpo.py {shlex.join(argv if argv is not None else sys.argv[1:])}".strip()
-    text = report(results, args.steps, args.eval_every, args.window, cmd, commit.stdout.strip())
+    text = report(results, args.steps, args.eval_every, args.window, cmd, commit)
     results_dir = Path(args.results)
     results_dir.mkdir(parents=True, exist_ok=True)
     (results_dir / "gumbel_topk_vs_grpo.md").write_text(

@@ -34,7 +34,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from harness import read_scalars  # bench/ is on the path when this runs as a script
+from harness import git_commit, read_scalars
 
 ROOT = Path(__file__).resolve().parents[1]
 PHASES = ("rollout", "reference", "policy_forward", "backward", "optimizer")
@@ -75,16 +75,14 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("extra", nargs="*", help="more lit-rl fit arguments, after --")
     args = parser.parse_args(argv)
 
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    first = f"this checkout ({head.stdout.strip()})" if args.skip_unshared else "shared prompt"
+    first = f"this checkout ({git_commit()})" if args.skip_unshared else "shared prompt"
     variants = {first: (ROOT, ["--model.share_prompt", "true"])}
     if not args.skip_unshared:
         variants["share_prompt false"] = (ROOT, ["--model.share_prompt", "false"])
     if args.before:  # the code and config of an earlier commit, checked out beside this one
         checkout = Path(tempfile.mkdtemp(prefix="lit_rl_before_")) / "checkout"
         subprocess.run(["git", "worktree", "add", "--detach", str(checkout), args.before], cwd=ROOT, check=True)
-        sha = subprocess.run(["git", "rev-parse", "--short", args.before], cwd=ROOT, capture_output=True, text=True)
-        variants[f"before ({sha.stdout.strip()})"] = (checkout, [])
+        variants[f"before ({git_commit(args.before)})"] = (checkout, [])
     load = [os.getloadavg()[0]]
     runs: dict[str, list[dict[str, list[float]]]] = {name: [] for name in variants}
     try:

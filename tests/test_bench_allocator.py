@@ -3,29 +3,25 @@ subprocesses, one per option), so it cannot rot."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 from pathlib import Path
 
 import pytest
+from bench_loader import load_bench
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "bench_allocator.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_allocator", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    with load_bench("bench_allocator.py") as module:
+        yield module
 
 
 def installed(allocator: str) -> bool:
-    spec = importlib.util.spec_from_file_location("bench_allocator", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.find_library(allocator)[0] is not None
+    with load_bench("bench_allocator.py") as module:
+        return module.find_library(allocator)[0] is not None
 
 
 MAPS = """\
