@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shlex
 import subprocess
 import sys
@@ -35,7 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from harness import git_commit, versions
+import harness
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from lit_rl.callbacks import StreamingCheckpointIO
@@ -134,17 +133,17 @@ def run(args: argparse.Namespace, class_path: str) -> dict:
 
 
 def markdown(argv: list[str], args: argparse.Namespace, results: dict[str, dict], wall: float) -> str:
-    import torch
-
-    deps = versions(("torch", "lightning", "transformers"))
     command = " ".join(["lit-rl", "fit", *map(shlex.quote, fit_args(args))])
-    lines = [
-        f"Command: `{' '.join(['python', 'bench/bench_checkpoint_save.py', *map(shlex.quote, argv)])}`  ",
-        f"Each row runs `{command} --trainer.plugins '[{{class_path: <the IO>}}]'` in a fresh process.  ",
-        f"Machine: {os.cpu_count()} CPU cores, {platform.processor() or platform.machine()}, "
-        f"{platform.libc_ver()[0]} {platform.libc_ver()[1]}, torch {torch.__version__}, "
-        + ", ".join(f"{k} {v}" for k, v in deps.items() if k != "torch")
-        + f"; commit {git_commit()}; {wall / 60:.0f} min of runs.",
+    lines = harness.header_lines(
+        "Checkpoint save: Lightning's in-memory save against lit-rl's streaming one",
+        "python bench/bench_checkpoint_save.py --out bench/results/checkpoint_save.md",
+        this_file=shlex.join(["python", "bench/bench_checkpoint_save.py", *argv]),
+        loads=[x for r in results.values() for x in r["load"]],
+        dists=("torch", "lightning", "transformers"),
+    )
+    lines += [
+        f"Each row runs `{command} --trainer.plugins '[{{class_path: <the IO>}}]'` in a fresh process; "
+        f"{wall / 60:.0f} min of runs.",
         "",
         "Peak RSS in GiB (the kernel's high-water mark; does not depend on the machine's load): before the first save, "
         "during the save (reset when it starts), and over the whole run. RSS at save start: resident memory when the "

@@ -30,13 +30,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import sys
 import time
 from pathlib import Path
 
+import harness
 import torch
-from harness import versions
 
 from lit_rl.data import PromptDataModule
 from lit_rl.methods.evaluation import sample_completions
@@ -144,14 +143,19 @@ def measure(model, tokenizer, ids, mask, args, sides: list[str]) -> list[tuple]:
 
 def write(args, argv, rows: int, sides: list[str], results: list[tuple]) -> str:
     precision = "float32 weights under bf16 autocast (bf16-mixed)" if args.bf16_mixed else args.dtype
-    lines = [
-        "# Rollout decoding: lit-rl's decode loop, eager and compiled, vs transformers' generate",
-        "",
-        "Command: `" + " ".join(["python bench/bench_decode.py", *(argv if argv is not None else sys.argv[1:])]) + "`",
-        "",
-        f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, {torch.get_num_threads()} torch threads; "
-        + ", ".join(f"{k} {v}" for k, v in versions(("torch", "transformers")).items())
-        + f"; model: embedded SmolLM2-135M-Instruct in {precision}.",
+    argv = argv if argv is not None else sys.argv[1:]
+    lines = harness.header_lines(
+        "Rollout decoding: lit-rl's decode loop, eager and compiled, vs transformers' generate",
+        "python bench/bench_decode.py --bf16-mixed --lengths 64 256 1024 --out bench/results/decode_bf16_mixed.md"
+        if args.bf16_mixed
+        else "python bench/bench_decode.py",
+        this_file=" ".join(["python bench/bench_decode.py", *argv]),
+        loads=[r[-1] for r in results],
+        threads=torch.get_num_threads(),
+        dists=("torch", "transformers"),
+    )
+    lines += [
+        f"Model: embedded SmolLM2-135M-Instruct in {precision}.",
         "",
         f"Rollout: {args.prompts} prompts x {args.generations} completions = {rows} rows, shared-prompt prefill, "
         "temperature 1, every completion forced to the full length; the same random state for every side. "

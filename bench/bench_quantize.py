@@ -33,7 +33,6 @@ import argparse
 import copy
 import logging
 import os
-import platform
 import statistics
 import sys
 import time
@@ -42,8 +41,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import harness
 import torch
-from harness import cpu_flags, versions
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -349,12 +348,15 @@ def main(argv: list[str] | None = None) -> str:
     names = [b.name for b in backends]
     questions = list(next(iter(found_checks.values())).keys()) if found_checks else []
     text = [
-        f"Command: `{cmd}`",
-        "",
-        f"Machine: `{platform.platform()}`, {os.cpu_count()} cores ({torch.get_num_threads()} torch threads), "
-        f"CPU flags: {cpu_flags()}; load average (1/5/15 min) {load_start[0]:.2f}/{load_start[1]:.2f}/"
-        f"{load_start[2]:.2f} at the start, {load_end[0]:.2f}/{load_end[1]:.2f}/{load_end[2]:.2f} at the end; "
-        f"total wall time {wall:.0f} s. Versions: " + ", ".join(f"{k} {v}" for k, v in versions().items()) + ".",
+        *harness.header_lines(
+            "A 4-bit NF4 frozen base: bitsandbytes vs torchao",
+            "OMP_NUM_THREADS=1 python bench/bench_quantize.py",
+            this_file=cmd,
+            loads=[load_start[0], load_end[0]],
+            threads=torch.get_num_threads(),
+            dists=("torch", "bitsandbytes", "torchao", "peft", "transformers"),
+        ),
+        f"Total wall time {wall:.0f} s.",
         "",
         *(f"Not measured: {k}: {why}" for k, why in missing.items()),
         "",
@@ -382,7 +384,7 @@ def main(argv: list[str] | None = None) -> str:
     print(report)
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "quantize.md").write_text(f"# A 4-bit NF4 frozen base: bitsandbytes vs torchao\n\n{report}\n")
+        (out_dir / "quantize.md").write_text(f"{report}\n")
         print(f"wrote {out_dir / 'quantize.md'}", file=sys.stderr)
     return report
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import shlex
 import statistics
 import subprocess
@@ -34,6 +33,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import harness
 from harness import git_commit, read_scalars
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -107,12 +107,16 @@ def main(argv: list[str] | None = None) -> str:
     names = list(variants)
     base = names[-1]
     cmd = f"python bench/bench_shared_prompt.py {shlex.join(argv if argv is not None else sys.argv[1:])}".strip()
-    lines = [
-        f"Command: `{cmd}`  ",
-        f"Machine: {os.cpu_count()} CPU cores, {platform.machine()}, Python {platform.python_version()}; config "
-        f"`{args.config}`, {args.steps} steps per run, {args.rounds} rounds of ({', '.join(names)}) in turn. Median "
-        f"seconds over steps 2-{args.steps} of every round. Wall times depend on the machine's load (1-minute load "
-        f"average {load[0]:.1f} before, {load[1]:.1f} after); the rewards do not.",
+    lines = harness.header_lines(
+        "Shared-prompt passes: step time per phase",
+        "python bench/bench_shared_prompt.py --before b8477ee --out bench/results/shared_prompt.md",
+        this_file=cmd,
+        loads=load,
+        dists=("torch", "lightning", "transformers"),
+    )
+    lines += [
+        f"Config `{args.config}`, {args.steps} steps per run, {args.rounds} rounds of ({', '.join(names)}) in turn. "
+        f"Median seconds over steps 2-{args.steps} of every round.",
         "",
         "| phase | " + " | ".join(f"{n} (s)" for n in names) + f" | speed-up of {names[0]} over {base} |",
         "| --- |" + " --- |" * (len(names) + 1),

@@ -107,7 +107,7 @@ def header_lines(
     it differs), the commit, the machine, package versions, the load average during the runs, and the load note."""
     loads = [x for x in (loads or []) if x is not None]
     load = f"; 1-minute load average {min(loads):.1f}-{max(loads):.1f} during the runs" if loads else ""
-    wrote = f" This file: `{this_file}`" if this_file and this_file != command else ""
+    wrote = f" This file: `{this_file}`." if this_file and this_file != command else ""
     return [
         f"# {title}",
         "",

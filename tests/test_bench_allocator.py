@@ -139,7 +139,7 @@ def test_quick_bench_prints_a_row_per_option_and_resumes(bench, tmp_path, capsys
     results = tmp_path / "runs.jsonl"
     text = bench.main(["--quick", "--results", str(results)])
     assert text in capsys.readouterr().out
-    assert "Command: `python bench/bench_allocator.py --quick" in text
+    assert "This file: `python bench/bench_allocator.py --quick" in text
     body = text.split("### tiny", 1)[1].splitlines()[4:]
     rows = [[c.strip() for c in ln.strip("|").split("|")] for ln in body if ln.startswith("|")]
     assert [r[0] for r in rows] == ["none", "trim", "env 64K"]
