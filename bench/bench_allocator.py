@@ -81,12 +81,10 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-# runnable from a checkout without `pip install -e .`, with the sibling module this one uses
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+import harness
+from harness import ChildFailed, report, run_measured
 
-from child_process import ChildFailed, report, run_measured  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 GIB = 2**30
 MARK = "BENCH_ALLOCATOR "
@@ -420,13 +418,15 @@ def summarize(runs: list[dict], profile: dict) -> dict:
 
 
 def table(args: argparse.Namespace, results: dict[str, dict[str, dict]], wall: float) -> str:
-    import torch
-
-    lines = [
-        f"Command: `{' '.join(['python', 'bench/bench_allocator.py', *map(shlex.quote, args.argv)])}`  ",
-        f"Machine: {os.cpu_count()} CPU cores, {platform.processor() or platform.machine()}, "
-        f"{platform.libc_ver()[0]} {platform.libc_ver()[1]}, torch {torch.__version__}, {args.rounds} rounds "
-        f"interleaved, {wall / 60:.0f} min of runs.",
+    lines = harness.header_lines(
+        "CPU allocators: peak RSS and step time of real training steps",
+        "python bench/bench_allocator.py --out bench/results/allocator.md",
+        this_file=shlex.join(["python", "bench/bench_allocator.py", *args.argv]),
+        loads=[r["load"] for rows in results.values() for r in rows.values() if r.get("load") is not None],
+        dists=("torch", "lightning", "transformers"),
+    )
+    lines += [
+        f"glibc {platform.libc_ver()[1]}; {args.rounds} rounds interleaved, {wall / 60:.0f} min of runs.",
         "",
         "Load-independent: peak RSS, tensor peak, baseline, ratio (bytes; the peak RSS of the rounds differed by "
         "'spread'). Load-dependent: wall and CPU seconds per step and their ratios to `none` of the same workload "

@@ -36,8 +36,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import shlex
 import shutil
 import statistics
@@ -46,15 +44,18 @@ import tempfile
 import time
 from pathlib import Path
 
+from harness import (
+    ChildFailed,
+    header_lines,
+    mean,
+    read_scalar_events,
+    report,
+    run_measured,
+    thread_env,
+)
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-sys.path.insert(0, str(HERE))  # the sibling scripts this one reuses
-sys.path.insert(0, str(ROOT))  # runnable from a checkout without `pip install -e .`
-
-from bench_intuitor import git_commit, mean  # noqa: E402
-from bench_quantize import cpu_flags, versions  # noqa: E402
-from child_process import ChildFailed, report, run_measured  # noqa: E402
-from plot_run import read_scalar_events  # noqa: E402
 
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
 VERSIONED = ("torch", "transformers", "lightning")
@@ -161,7 +162,7 @@ def run_child(args: argparse.Namespace, precision: str, root: Path, profile: boo
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
     threads = str(args.threads)
-    env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
+    env = thread_env(int(threads))
     cmd = [sys.executable, __file__, "--child", "--precision", precision, "--root", str(root),
            "--steps", str(args.steps), "--every", str(args.every), "--profile-steps", str(args.profile_steps),
            "--config", args.config, "--threads", threads]  # fmt: skip
@@ -316,24 +317,16 @@ def memory_table(saved: dict) -> list[str]:
 
 
 def markdown(args: argparse.Namespace, argv: list[str], saved: dict) -> str:
-
     loads = [x for r in saved.values() for x in (r["load_before"], r["load_after"])]
-    found = versions(VERSIONED)
-    lines = [
-        "# bf16 on the CPU against float32",
-        "",
-        "Written by `bench/bench_bf16_cpu.py`. Regenerate: `nice -n 5 python bench/bench_bf16_cpu.py --threads 1`, "
-        "or some precisions with `--only`, then `--reuse`. This file: "
-        f"`{shlex.join(['python', 'bench/bench_bf16_cpu.py', *argv])}`, at commit {git_commit()}.  ",
-        f"Machine: `{platform.platform()}`, {os.cpu_count()} CPU cores ({cpu_flags()}), {platform.machine()}, Python "
-        f"{platform.python_version()}; {args.threads} CPU thread(s) per run; "
-        f"1-minute load average {min(loads):.2f}-{max(loads):.2f} over the runs. Versions: "
-        + ", ".join(f"{k} {v}" for k, v in found.items())
-        + ".  ",
-        "Times depend on the machine and its load; bytes do not, and the seeded rewards and scores repeat on one "
-        "thread count.",
-        "",
-    ]
+    lines = header_lines(
+        "bf16 on the CPU against float32",
+        "nice -n 5 python bench/bench_bf16_cpu.py --threads 1",
+        this_file=shlex.join(["python", "bench/bench_bf16_cpu.py", *argv]),
+        loads=loads,
+        threads=args.threads,
+        dists=VERSIONED,
+    )
+    lines += ["Some precisions alone: `--only`, then `--reuse`.", ""]
     for part in (training_table(saved), memory_table(saved)):
         if part:
             lines += [*part, ""]

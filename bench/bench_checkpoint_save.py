@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shlex
 import subprocess
 import sys
@@ -35,15 +34,13 @@ import tempfile
 import time
 from pathlib import Path
 
+import harness
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+from lit_rl.callbacks import StreamingCheckpointIO
+from lit_rl.memory.rss import read_peak_rss, read_rss, reset_peak_rss
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # runnable from a checkout without `pip install -e .`
-
-from bench_intuitor import git_commit  # noqa: E402
-from bench_quantize import versions  # noqa: E402
-from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO  # noqa: E402
-
-from lit_rl.callbacks import StreamingCheckpointIO  # noqa: E402
-from lit_rl.memory.rss import read_peak_rss, read_rss, reset_peak_rss  # noqa: E402
 
 GIB = 2**30
 LOG_ENV = "BENCH_CHECKPOINT_SAVE_LOG"  # the child appends one JSON line per save to this file
@@ -136,17 +133,17 @@ def run(args: argparse.Namespace, class_path: str) -> dict:
 
 
 def markdown(argv: list[str], args: argparse.Namespace, results: dict[str, dict], wall: float) -> str:
-    import torch
-
-    deps = versions(("torch", "lightning", "transformers"))
     command = " ".join(["lit-rl", "fit", *map(shlex.quote, fit_args(args))])
-    lines = [
-        f"Command: `{' '.join(['python', 'bench/bench_checkpoint_save.py', *map(shlex.quote, argv)])}`  ",
-        f"Each row runs `{command} --trainer.plugins '[{{class_path: <the IO>}}]'` in a fresh process.  ",
-        f"Machine: {os.cpu_count()} CPU cores, {platform.processor() or platform.machine()}, "
-        f"{platform.libc_ver()[0]} {platform.libc_ver()[1]}, torch {torch.__version__}, "
-        + ", ".join(f"{k} {v}" for k, v in deps.items() if k != "torch")
-        + f"; commit {git_commit()}; {wall / 60:.0f} min of runs.",
+    lines = harness.header_lines(
+        "Checkpoint save: Lightning's in-memory save against lit-rl's streaming one",
+        "python bench/bench_checkpoint_save.py --out bench/results/checkpoint_save.md",
+        this_file=shlex.join(["python", "bench/bench_checkpoint_save.py", *argv]),
+        loads=[x for r in results.values() for x in r["load"]],
+        dists=("torch", "lightning", "transformers"),
+    )
+    lines += [
+        f"Each row runs `{command} --trainer.plugins '[{{class_path: <the IO>}}]'` in a fresh process; "
+        f"{wall / 60:.0f} min of runs.",
         "",
         "Peak RSS in GiB (the kernel's high-water mark; does not depend on the machine's load): before the first save, "
         "during the save (reset when it starts), and over the whole run. RSS at save start: resident memory when the "

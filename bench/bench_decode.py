@@ -30,22 +30,19 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import sys
 import time
 from pathlib import Path
 
+import harness
 import torch
 
+from lit_rl.data import PromptDataModule
+from lit_rl.models import load_causal_lm, load_tokenizer, sample_completions
+from lit_rl.models.compiled_decode import compile_seconds, compile_unsupported
+from lit_rl.models.decode import decode_unsupported
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-
-from bench_quantize import versions  # noqa: E402
-
-from lit_rl.data import PromptDataModule  # noqa: E402
-from lit_rl.models import load_causal_lm, load_tokenizer, sample_completions  # noqa: E402
-from lit_rl.models.compiled_decode import compile_seconds, compile_unsupported  # noqa: E402
-from lit_rl.models.decode import decode_unsupported  # noqa: E402
 
 SIDES = {"generate": False, "own": "own", "compiled": "compiled"}  # side -> sample_completions' own_decode
 
@@ -145,14 +142,19 @@ def measure(model, tokenizer, ids, mask, args, sides: list[str]) -> list[tuple]:
 
 def write(args, argv, rows: int, sides: list[str], results: list[tuple]) -> str:
     precision = "float32 weights under bf16 autocast (bf16-mixed)" if args.bf16_mixed else args.dtype
-    lines = [
-        "# Rollout decoding: lit-rl's decode loop, eager and compiled, vs transformers' generate",
-        "",
-        "Command: `" + " ".join(["python bench/bench_decode.py", *(argv if argv is not None else sys.argv[1:])]) + "`",
-        "",
-        f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, {torch.get_num_threads()} torch threads; "
-        + ", ".join(f"{k} {v}" for k, v in versions(("torch", "transformers")).items())
-        + f"; model: embedded SmolLM2-135M-Instruct in {precision}.",
+    argv = argv if argv is not None else sys.argv[1:]
+    lines = harness.header_lines(
+        "Rollout decoding: lit-rl's decode loop, eager and compiled, vs transformers' generate",
+        "python bench/bench_decode.py --bf16-mixed --lengths 64 256 1024 --out bench/results/decode_bf16_mixed.md"
+        if args.bf16_mixed
+        else "python bench/bench_decode.py",
+        this_file=" ".join(["python bench/bench_decode.py", *argv]),
+        loads=[r[-1] for r in results],
+        threads=torch.get_num_threads(),
+        dists=("torch", "transformers"),
+    )
+    lines += [
+        f"Model: embedded SmolLM2-135M-Instruct in {precision}.",
         "",
         f"Rollout: {args.prompts} prompts x {args.generations} completions = {rows} rows, shared-prompt prefill, "
         "temperature 1, every completion forced to the full length; the same random state for every side. "

@@ -28,7 +28,6 @@ import argparse
 import inspect
 import json
 import os
-import platform
 import shlex
 import subprocess
 import sys
@@ -36,10 +35,10 @@ import tempfile
 import time
 from pathlib import Path
 
+import harness
 import numpy as np
 
 # runnable from a checkout without `pip install -e .`
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 LOGITS_VOCAB = 50_304  # the naive design: each prompt embedded as its mean-pooled logits, GPT-2's padded vocab
 SMOLLM2 = dict(hidden=576, layers=30, heads=9, kv_heads=3, intermediate=1536, vocab=49_152)
@@ -315,12 +314,15 @@ def run_part(name: str, argv: list[str]) -> dict:
 
 
 def table(args, res: dict) -> str:
-    faiss_version = __import__("faiss").__version__
-    lines = [
-        f"Command: `{' '.join(['python', 'bench/bench_density.py', *map(shlex.quote, args.argv)])}`  ",
-        f"Machine: {os.cpu_count()} CPU cores, {platform.processor() or platform.machine()}, "
-        f"faiss {faiss_version}, numpy {np.__version__}; k = {args.k}. Wall time depends on what else runs on "
-        "the machine (load averages below); CPU time is the process's own, all threads. Peak RSS is the whole process "
+    lines = harness.header_lines(
+        "Prompt density: embedding and kNN stages at 28k prompts and 1M embeddings",
+        "python bench/bench_density.py --out bench/results/density.md",
+        this_file=shlex.join(["python", "bench/bench_density.py", *args.argv]),
+        loads=[x for part in res.values() if isinstance(part, dict) for x in part.get("load", ())],
+        dists=("torch", "numpy", "faiss-cpu"),
+    )
+    lines += [
+        f"k = {args.k}. CPU time is the process's own, all threads. Peak RSS is the whole process "
         "(interpreter, torch, faiss included) with the kernel high-water mark reset at the start of the stage; "
         "'before' is the RSS when the stage began.",
         "",

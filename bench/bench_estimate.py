@@ -37,17 +37,15 @@ import time
 import warnings
 from pathlib import Path
 
-# runnable from a checkout without `pip install -e .`
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lit_rl.callbacks import MemoryProfiler
+from lit_rl.cli import parse_fit_config
+from lit_rl.memory.estimate import GIB, MIB, estimate_step, settings_from
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import lightning as L  # noqa: E402
-import torch  # noqa: E402
-from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
-
-from lit_rl.callbacks import MemoryProfiler  # noqa: E402
-from lit_rl.cli import parse_fit_config  # noqa: E402
-from lit_rl.memory.estimate import GIB, MIB, estimate_step, settings_from  # noqa: E402
 
 TINY = ["--config", "configs/grpo_tiny.yaml"]
 CONFIGS = {

@@ -32,13 +32,12 @@ import json
 import os
 import platform
 import shlex
-import subprocess
 import sys
-import time
 from pathlib import Path
 
+from harness import git_commit, mean, read_scalar_events, training_seconds
+from harness import run_fit as fit
 from heldout_examples import examples  # bench/ is on the path when this runs as a script
-from plot_run import read_scalar_events
 
 ROOT = Path(__file__).resolve().parents[1]
 METHODS = {"GumbelTopK": "configs/gumbel_topk.yaml", "GRPO": "configs/grpo_sentiment.yaml"}
@@ -66,25 +65,6 @@ QUICK_ALL = [
 ]
 
 
-def fit(config: str, root: Path, args: list[str], *, reuse: bool = False) -> tuple[Path, dict[str, float]]:
-    """``lit-rl fit --config config`` in a fresh process writing to ``root``: the run's TensorBoard folder, and its
-    wall seconds with the 1-minute load average before and after (``reuse``: those of an earlier run in ``root``)."""
-    cmd = [sys.executable, "-m", "lit_rl", "fit", "--config", config, "--trainer.default_root_dir", str(root), *args]
-    record = root / "bench_run.json"
-    if not (reuse and record.exists()):
-        root.mkdir(parents=True, exist_ok=True)
-        print(f"+ {shlex.join(cmd)}", file=sys.stderr, flush=True)
-        started, load = time.perf_counter(), os.getloadavg()[0]
-        with open(root / "fit.log", "w") as log:
-            done = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-        if done.returncode:
-            raise SystemExit(f"{shlex.join(cmd)} failed ({done.returncode}); its output is in {root}/fit.log")
-        info = {"wall": time.perf_counter() - started, "load_before": load, "load_after": os.getloadavg()[0]}
-        record.write_text(json.dumps(info))
-    run = max((root / "lightning_logs").glob("version_*"), key=lambda p: int(p.name.split("_")[1]))
-    return run, json.loads(record.read_text())
-
-
 def held_out_scores(run: Path, reward_model: str, head_file: str | None) -> dict[int, dict[str, float]]:
     """``{steps trained: {score: mean}}`` over each evaluation's completions (``heldout/val_step*.jsonl``): the
     judges and text statistics the run wrote, plus ``rm`` (the reward model's mean score) and ``rm_positive``."""
@@ -108,21 +88,6 @@ def held_out_scores(run: Path, reward_model: str, head_file: str | None) -> dict
     return out
 
 
-def training_seconds(run: Path) -> dict[int, float]:
-    """``{steps trained: seconds}``: the sum of the logged phase times (``time/*_s``) of the first N optimizer steps
-    (step N's metrics are logged at index N - 1)."""
-    per_step: dict[int, float] = {}
-    for tag, events in read_scalar_events(str(run), None).items():
-        if tag.startswith("time/") and tag.endswith("_s"):
-            for e in events:
-                per_step[e.step] = per_step.get(e.step, 0.0) + e.value
-    total, out = 0.0, {0: 0.0}
-    for index in sorted(per_step):
-        total += per_step[index]
-        out[index + 1] = total
-    return out
-
-
 def memory_peaks(run: Path, phases: list[str]) -> dict[str, float]:
     """The highest tensor peak (GiB) the memory profiler logged for each phase, over the run's steps."""
     keys = [f"memory/{p}/peak_gib" for p in phases]
@@ -140,10 +105,6 @@ def phase_names(config: str) -> list[str]:
     from lit_rl.methods import GumbelTopK, RefCachedGRPO
 
     return list((GumbelTopK if "gumbel" in config else RefCachedGRPO).phase_names)
-
-
-def mean(values: list[float]) -> float:
-    return sum(values) / len(values) if values else float("nan")
 
 
 def collect(
@@ -293,14 +254,14 @@ def main(argv: list[str] | None = None) -> str:
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.eval_every, args.memory_steps, args.window = 2, 1, 1, 1
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    commit = git_commit()
     out = Path(args.out)
     results = {
         name: collect(name, config, out, args.steps, args.eval_every, args.memory_steps, args.quick, args.reuse)
         for name, config in METHODS.items()
     }
     cmd = f"python bench/bench_gumbel_topk_vs_grpo.py {shlex.join(argv if argv is not None else sys.argv[1:])}".strip()
-    text = report(results, args.steps, args.eval_every, args.window, cmd, commit.stdout.strip())
+    text = report(results, args.steps, args.eval_every, args.window, cmd, commit)
     results_dir = Path(args.results)
     results_dir.mkdir(parents=True, exist_ok=True)
     (results_dir / "gumbel_topk_vs_grpo.md").write_text(

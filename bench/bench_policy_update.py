@@ -56,21 +56,18 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 # runnable from a checkout without `pip install -e .`
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import transformers
+from transformers import AutoModelForCausalLM, Qwen2Config
 
-import transformers  # noqa: E402
-from transformers import AutoModelForCausalLM, Qwen2Config  # noqa: E402
-
-from lit_rl.losses import group_advantages, grpo_loss, masked_mean  # noqa: E402
-from lit_rl.memory.tracker import TensorMemoryTracker  # noqa: E402
-from lit_rl.methods import RefCachedGRPO  # noqa: E402
-from lit_rl.models import lm_head  # noqa: E402
-from lit_rl.ops.token_math import LOGITS_BUDGET_BYTES, plan_chunks  # noqa: E402
+from lit_rl.losses import group_advantages, grpo_loss, masked_mean
+from lit_rl.memory.tracker import TensorMemoryTracker
+from lit_rl.methods import RefCachedGRPO
+from lit_rl.models import lm_head
+from lit_rl.ops.token_math import LOGITS_BUDGET_BYTES, plan_chunks
 
 MIB = 2**20
 QWEN_VOCAB = 151_936

@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import shlex
 import shutil
@@ -54,14 +53,12 @@ import tempfile
 import time
 from pathlib import Path
 
+import harness
+from harness import mean, read_scalar_events, training_seconds
+from harness import run_fit as fit
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-sys.path.insert(0, str(HERE))  # the sibling scripts this one reuses
-
-from bench_gumbel_topk_vs_grpo import fit, training_seconds  # noqa: E402
-from bench_intuitor import git_commit, mean  # noqa: E402
-from bench_quantize import versions  # noqa: E402
-from plot_run import read_scalar_events  # noqa: E402
 
 VERSIONED = ("torch", "bitsandbytes", "peft", "transformers", "lightning")  # the packages the header names
 CONFIGS = {"lora": "configs/grpo_lora.yaml", "qlora": "configs/grpo_qlora.yaml"}
@@ -209,8 +206,7 @@ def weights(args: argparse.Namespace) -> dict:
     """Bytes of the trunk's linear weights of the loaded policy: dense (float32, bfloat16) and NF4 (codes + scales)."""
     import torch
 
-    from lit_rl.models import load_causal_lm
-    from lit_rl.models.head import trunk
+    from lit_rl.models import load_causal_lm, trunk
     from lit_rl.models.quantize import nf4_memory, quantize_base_nf4
 
     name = "tiny:llama" if args.quick else "embedded"
@@ -436,20 +432,18 @@ def estimates_table(saved: dict) -> list[str]:
 
 
 def markdown(args: argparse.Namespace, argv: list[str], saved: dict) -> str:
-    import torch
-
     loads = [x for r in saved.values() for x in (r.get("load_before"), r.get("load_after")) if x is not None]
-    load = f"{min(loads):.2f}-{max(loads):.2f}" if loads else "-"
-    lines = [
-        "# QLoRA: a 4-bit NF4 base under LoRA, against a dense base",
-        "",
-        f"Written by `bench/bench_qlora.py`. Regenerate: `nice -n 5 python bench/bench_qlora.py` (all parts), or a "
-        f"part with `--only`, then `--reuse`. This file: `{shlex.join(['python', 'bench/bench_qlora.py', *argv])}`, "
-        f"at commit {git_commit()}.  ",
-        f"Machine: `{platform.platform()}`, {os.cpu_count()} CPU cores, {platform.machine()}, Python "
-        f"{platform.python_version()}; {args.threads} CPU thread(s) per run (`OMP_NUM_THREADS`), torch sees "
-        f"{torch.get_num_threads()}; 1-minute load average {load} over the runs. Versions: {', '.join(f'{k} {v}' for k, v in versions(VERSIONED).items())}.  ",
-        "Times depend on the machine and its load; bytes do not (and the seeded rewards repeat on one thread count).",
+    lines = harness.header_lines(
+        "QLoRA: a 4-bit NF4 base under LoRA, against a dense base",
+        "nice -n 5 python bench/bench_qlora.py",
+        this_file=shlex.join(["python", "bench/bench_qlora.py", *argv]),
+        loads=loads,
+        threads=args.threads,
+        dists=VERSIONED,
+    )
+    lines += [
+        "`nice -n 5 python bench/bench_qlora.py` runs all parts; a part alone with `--only`, then `--reuse`. "
+        "Threads per run set by `OMP_NUM_THREADS`.",
         "",
         "## 1. Learning: dense base vs NF4 base",
         "",

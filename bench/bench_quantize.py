@@ -31,10 +31,8 @@ from __future__ import annotations
 
 import argparse
 import copy
-import importlib.metadata
 import logging
 import os
-import platform
 import statistics
 import sys
 import time
@@ -43,6 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import harness
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -295,26 +294,6 @@ def measure(backend: Backend, dtype: torch.dtype, shape: tuple[int, int, int], r
 
 
 # ---------------------------------------------------------------------------------------------- report
-def versions(dists: tuple[str, ...] = ("torch", "bitsandbytes", "torchao", "peft", "transformers")) -> dict[str, str]:
-    """``{distribution: installed version or "not installed"}``."""
-    out = {}
-    for dist in dists:
-        try:
-            out[dist] = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            out[dist] = "not installed"
-    return out
-
-
-def cpu_flags() -> str:
-    try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        return "?"
-    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
-    return ", ".join(f for f in wanted if f" {f}" in flags) or "none of avx2/avx512"
-
-
 def table(rows: list[Row], dense: dict[tuple[str, tuple[int, int, int]], Row]) -> list[str]:
     lines = [
         "| backend | dtype | tokens x in -> out | fwd+bwd ms | vs dense | no-grad fwd ms | vs dense | "
@@ -369,12 +348,15 @@ def main(argv: list[str] | None = None) -> str:
     names = [b.name for b in backends]
     questions = list(next(iter(found_checks.values())).keys()) if found_checks else []
     text = [
-        f"Command: `{cmd}`",
-        "",
-        f"Machine: `{platform.platform()}`, {os.cpu_count()} cores ({torch.get_num_threads()} torch threads), "
-        f"CPU flags: {cpu_flags()}; load average (1/5/15 min) {load_start[0]:.2f}/{load_start[1]:.2f}/"
-        f"{load_start[2]:.2f} at the start, {load_end[0]:.2f}/{load_end[1]:.2f}/{load_end[2]:.2f} at the end; "
-        f"total wall time {wall:.0f} s. Versions: " + ", ".join(f"{k} {v}" for k, v in versions().items()) + ".",
+        *harness.header_lines(
+            "A 4-bit NF4 frozen base: bitsandbytes vs torchao",
+            "OMP_NUM_THREADS=1 python bench/bench_quantize.py",
+            this_file=cmd,
+            loads=[load_start[0], load_end[0]],
+            threads=torch.get_num_threads(),
+            dists=("torch", "bitsandbytes", "torchao", "peft", "transformers"),
+        ),
+        f"Total wall time {wall:.0f} s.",
         "",
         *(f"Not measured: {k}: {why}" for k, why in missing.items()),
         "",
@@ -402,7 +384,7 @@ def main(argv: list[str] | None = None) -> str:
     print(report)
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "quantize.md").write_text(f"# A 4-bit NF4 frozen base: bitsandbytes vs torchao\n\n{report}\n")
+        (out_dir / "quantize.md").write_text(f"{report}\n")
         print(f"wrote {out_dir / 'quantize.md'}", file=sys.stderr)
     return report
 

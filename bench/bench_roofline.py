@@ -18,6 +18,7 @@ Each run is a fresh process with the MemoryProfiler added (``track_tensors: fals
 step runs at full speed; ``rates:`` the file of part 1); its ``memory_summary.json`` holds the roofline
 (:mod:`lit_rl.memory.roofline`): per phase the median wall time over the steps after the first, FLOPs and bytes
 from the model's config and each step's shapes, the compute-bound and memory-bound floors and the share of the
+
 floor achieved. The runs' roofline sections are saved in ``roofline.json``; ``roofline.md`` is built from them.
 Both runs train on the CPU; ``--device cuda`` measures the rates on the GPU and trains both runs there.
 
@@ -44,15 +45,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from harness import git_commit, versions
+
+from lit_rl.memory.machine_rates import best_of, load_rates, measure_rates, save_rates
+from lit_rl.memory.roofline import rerate
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-sys.path.insert(0, str(HERE))  # the sibling scripts this one reuses
-
-from bench_intuitor import git_commit  # noqa: E402
-from bench_quantize import versions  # noqa: E402
-
-from lit_rl.memory.machine_rates import best_of, load_rates, measure_rates, save_rates  # noqa: E402
-from lit_rl.memory.roofline import rerate  # noqa: E402
 
 PROFILER = "lit_rl.callbacks.MemoryProfiler"
 RUNS = {

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import shlex
 import statistics
 import subprocess
@@ -34,7 +33,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from plot_run import read_scalars  # bench/ is on the path when this runs as a script
+import harness
+from harness import git_commit, read_scalars
 
 ROOT = Path(__file__).resolve().parents[1]
 PHASES = ("rollout", "reference", "policy_forward", "backward", "optimizer")
@@ -75,16 +75,14 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("extra", nargs="*", help="more lit-rl fit arguments, after --")
     args = parser.parse_args(argv)
 
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    first = f"this checkout ({head.stdout.strip()})" if args.skip_unshared else "shared prompt"
+    first = f"this checkout ({git_commit()})" if args.skip_unshared else "shared prompt"
     variants = {first: (ROOT, ["--model.share_prompt", "true"])}
     if not args.skip_unshared:
         variants["share_prompt false"] = (ROOT, ["--model.share_prompt", "false"])
     if args.before:  # the code and config of an earlier commit, checked out beside this one
         checkout = Path(tempfile.mkdtemp(prefix="lit_rl_before_")) / "checkout"
         subprocess.run(["git", "worktree", "add", "--detach", str(checkout), args.before], cwd=ROOT, check=True)
-        sha = subprocess.run(["git", "rev-parse", "--short", args.before], cwd=ROOT, capture_output=True, text=True)
-        variants[f"before ({sha.stdout.strip()})"] = (checkout, [])
+        variants[f"before ({git_commit(args.before)})"] = (checkout, [])
     load = [os.getloadavg()[0]]
     runs: dict[str, list[dict[str, list[float]]]] = {name: [] for name in variants}
     try:
@@ -109,12 +107,16 @@ def main(argv: list[str] | None = None) -> str:
     names = list(variants)
     base = names[-1]
     cmd = f"python bench/bench_shared_prompt.py {shlex.join(argv if argv is not None else sys.argv[1:])}".strip()
-    lines = [
-        f"Command: `{cmd}`  ",
-        f"Machine: {os.cpu_count()} CPU cores, {platform.machine()}, Python {platform.python_version()}; config "
-        f"`{args.config}`, {args.steps} steps per run, {args.rounds} rounds of ({', '.join(names)}) in turn. Median "
-        f"seconds over steps 2-{args.steps} of every round. Wall times depend on the machine's load (1-minute load "
-        f"average {load[0]:.1f} before, {load[1]:.1f} after); the rewards do not.",
+    lines = harness.header_lines(
+        "Shared-prompt passes: step time per phase",
+        "python bench/bench_shared_prompt.py --before b8477ee --out bench/results/shared_prompt.md",
+        this_file=cmd,
+        loads=load,
+        dists=("torch", "lightning", "transformers"),
+    )
+    lines += [
+        f"Config `{args.config}`, {args.steps} steps per run, {args.rounds} rounds of ({', '.join(names)}) in turn. "
+        f"Median seconds over steps 2-{args.steps} of every round.",
         "",
         "| phase | " + " | ".join(f"{n} (s)" for n in names) + f" | speed-up of {names[0]} over {base} |",
         "| --- |" + " --- |" * (len(names) + 1),

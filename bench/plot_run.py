@@ -8,24 +8,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-
-def read_scalar_events(run_dir: str, keys: list[str] | None, *, optional: bool = False) -> dict[str, list]:
-    """``{key: [event]}`` with each event's ``step``, ``wall_time`` and ``value`` (``keys`` None: every scalar);
-    ``optional``: skip missing keys."""
-    acc = EventAccumulator(run_dir, size_guidance={"scalars": 0})
-    acc.Reload()
-    tags = set(acc.Tags()["scalars"])
-    keys = sorted(tags) if keys is None else keys
-    missing = [k for k in keys if k not in tags]
-    if missing and not optional:
-        raise SystemExit(f"{run_dir} has no scalar {missing}; it has {sorted(tags)}")
-    return {k: list(acc.Scalars(k)) for k in keys if k in tags}
-
-
-def read_scalars(run_dir: str, keys: list[str]) -> dict[str, list[tuple[int, float]]]:
-    return {k: [(e.step, e.value) for e in events] for k, events in read_scalar_events(run_dir, keys).items()}
+from harness import read_scalars
 
 
 def main() -> None:

@@ -32,8 +32,6 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-# runnable from a checkout without `pip install -e .`; the sibling modules are imported by name
-sys.path[:0] = [str(ROOT), str(HERE)]
 
 PARTS = ("trl", "baselines", "sweeps", "gpu")
 MALLOC_VARS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_ARENA_MAX", "PYTORCH_CUDA_ALLOC_CONF")

@@ -85,7 +85,7 @@ def predict(cfg: SweepConfig, shape: bpu.BenchConfig, vocab: int) -> dict[str, i
     """``estimate_step``'s first-step peaks for the reference pass and the update of this point."""
     from lit_rl.memory.estimate import estimate_step
     from lit_rl.methods import RefCachedGRPO
-    from lit_rl.models.loading import LoraSettings
+    from lit_rl.models import LoraSettings
 
     method = RefCachedGRPO(
         name_or_path="bench", lora=LoraSettings(), num_generations=shape.num_generations,
@@ -120,7 +120,7 @@ def measure_cuda(model, batch: bpu.Batch, phases, shape: bpu.BenchConfig) -> tup
 
 
 def run_point(cfg: SweepConfig, vocab: int, length: int, log=print) -> Point:
-    from lit_rl.models.loading import LoraSettings, apply_lora
+    from lit_rl.models import LoraSettings, apply_lora
 
     shape = replace(cfg.shape, completion_len=length)
     point = Point(vocab, length)

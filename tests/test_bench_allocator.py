@@ -3,29 +3,25 @@ subprocesses, one per option), so it cannot rot."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 from pathlib import Path
 
 import pytest
+from bench_loader import load_bench
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "bench_allocator.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_allocator", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    with load_bench("bench_allocator.py") as module:
+        yield module
 
 
 def installed(allocator: str) -> bool:
-    spec = importlib.util.spec_from_file_location("bench_allocator", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.find_library(allocator)[0] is not None
+    with load_bench("bench_allocator.py") as module:
+        return module.find_library(allocator)[0] is not None
 
 
 MAPS = """\
@@ -143,7 +139,7 @@ def test_quick_bench_prints_a_row_per_option_and_resumes(bench, tmp_path, capsys
     results = tmp_path / "runs.jsonl"
     text = bench.main(["--quick", "--results", str(results)])
     assert text in capsys.readouterr().out
-    assert "Command: `python bench/bench_allocator.py --quick" in text
+    assert "This file: `python bench/bench_allocator.py --quick" in text
     body = text.split("### tiny", 1)[1].splitlines()[4:]
     rows = [[c.strip() for c in ln.strip("|").split("|")] for ln in body if ln.startswith("|")]
     assert [r[0] for r in rows] == ["none", "trim", "env 64K"]

@@ -48,7 +48,7 @@ def test_quick_run_writes_every_part_and_reuses_saved_units(tmp_path):
     text = (results / "qlora.md").read_text()
     assert text in done.stdout
     assert sorted(p.stem for p in (out / "json").glob("*.json")) == sorted(UNITS)
-    assert "+changes" in text or "at commit " in text
+    assert "+changes" in text or "At commit " in text
     assert "bitsandbytes " in text and "load average" in text
 
     # part 1: a row per base, two evaluations after the one before training

@@ -20,7 +20,8 @@ def bench():
 def test_quick_bench_prints_both_tables(bench, tmp_path):
     pytest.importorskip("bitsandbytes", reason="the bench compares NF4 libraries; `pip install bitsandbytes`")
     text = bench.main(["--quick", "--out", str(tmp_path)])
-    assert text.startswith("Command: `OMP_NUM_THREADS=1 python bench/bench_quantize.py --quick --out")
+    assert text.startswith("# A 4-bit NF4 frozen base: bitsandbytes vs torchao\n")
+    assert "This file: `OMP_NUM_THREADS=1 python bench/bench_quantize.py --quick --out" in text
     assert "load average" in text and "bitsandbytes 0." in text
     assert (tmp_path / "quantize.md").read_text().count("| bitsandbytes nf4 + double quant | float32 |") == 1
     checks = text.split("### What a QLoRA policy needs", 1)[1].split("###", 1)[0]

@@ -1,0 +1,242 @@
+"""Run a study written as data, ``bench/studies/<study>.yaml``, and write its results table.
+
+A study is a set of arms, each ``lit-rl fit --config <config> <base> <arm's overrides>`` in a fresh seeded process
+(:func:`harness.run_fit`), and a table with a row per arm whose cells are read from the run's TensorBoard scalars.
+The YAML file holds everything that differs between studies:
+
+- ``title``, ``results`` (the file written in ``--results``, default ``<study>.md``), ``description`` (the paragraph
+  under the header; ``{config}`` and the study's other top-level scalars are filled in);
+- ``config``, ``base`` (overrides every arm starts from), ``threads`` (CPU threads per run), ``arms``
+  (``name: [overrides]``, or ``name: {overrides: [...], base: false, section: <heading>}`` for an arm that runs
+  without the base, tabulated under a heading of its own), ``quick`` (``config``, ``base``, ``overrides`` added
+  to every arm, ``arms``: a tiny smoke test);
+- ``read`` (``required`` and ``optional`` scalar keys), ``eval_key`` (the held-out metric whose evaluation steps
+  ``{eval_steps}`` in a column header names);
+- ``columns``: ``header``, ``align`` (``right`` for numbers) and ``cell``, one of ``arm``, ``overrides`` (the
+  arm's; ``{overrides: with_base}``: the base's too),
+  ``{window: key, size: N}`` (first and last N values' means), ``{series: key}`` (every value), ``{last: key or
+  [keys]}`` (the first key's last value that the run logged), ``{record: wall | peak_rss_mib}`` (the measured
+  child), ``{hook: name}``; with ``format`` (a Python format spec), ``missing`` (the cell when absent) and
+  ``optional: true`` (the column is left out when no arm has a value for it);
+- ``hook`` (optional): a module in ``bench/study_hooks/`` for what data cannot say (a derived column, a plot), with
+  ``cells`` (``{name: function(arm) -> str}``) and ``after(study, arms, results_dir) -> list[str]`` (lines added
+  to the results file, files written beside it). A study never imports another study.
+
+Run from the repository root::
+
+    nice -n 10 python bench/study.py loss_types                  # every arm, writes bench/results/loss_types.md
+    nice -n 10 python bench/study.py loss_types --arms gspo       # some arms only
+    python bench/study.py loss_types --reuse                      # the table again from runs already in --out
+    python bench/study.py loss_types --quick                      # tiny config, 1-2 steps, temporary folders
+    python bench/study.py --list                                  # the studies there are
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import shlex
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import harness
+import yaml
+
+STUDIES = Path(__file__).resolve().parent / "studies"
+CELL_KINDS = ("arm", "overrides", "window", "series", "last", "record", "hook")
+
+
+@dataclass
+class Arm:
+    """One arm's run: its name, overrides, the measured child's record and the scalars read from its logs."""
+
+    name: str
+    overrides: list[str]
+    base: list[str]
+    record: dict
+    series: dict[str, list[tuple[int, float]]]
+    run_dir: Path
+    section: str | None = None  # tabulated under a heading of its own
+    extra: dict = field(default_factory=dict)  # what a hook computes once and reads in several cells
+
+    def values(self, key: str) -> list[float]:
+        return [v for _, v in self.series.get(key, [])]
+
+
+def load_study(name: str) -> dict:
+    """The study's YAML as a dict, checked: every arm a list of overrides, every cell of a known kind."""
+    path = STUDIES / f"{name}.yaml"
+    if not path.exists():
+        raise SystemExit(f"error: no study {name!r}: {path} does not exist; use one of {', '.join(study_names())}")
+    study = yaml.safe_load(path.read_text())
+    study["name"] = name
+    for arm, spec in study["arms"].items():
+        spec = study["arms"][arm] = spec if isinstance(spec, dict) else {"overrides": spec}
+        spec["overrides"] = [str(x) for x in spec.get("overrides") or []]
+        if len(spec["overrides"]) % 2:
+            raise SystemExit(f"error: {path}: arm {arm}: overrides must be a list of flag, value pairs")
+    for column in study["columns"]:
+        cell = column["cell"]
+        kind = cell if isinstance(cell, str) else next(iter(cell))
+        if kind not in CELL_KINDS:
+            raise SystemExit(f"error: {path}: column {column['header']!r}: unknown cell {kind!r}; use {CELL_KINDS}")
+    return study
+
+
+def study_names() -> list[str]:
+    return sorted(p.stem for p in STUDIES.glob("*.yaml"))
+
+
+def load_hook(study: dict):
+    return importlib.import_module(f"study_hooks.{study['hook']}") if study.get("hook") else None
+
+
+def eval_steps(arm: Arm, key: str) -> list[int]:
+    """Optimizer steps done at each evaluation of ``key``: the evaluation before training is logged at step 0, one
+    after step k's update at k - 1."""
+    logged = arm.series.get(key, [])
+    return [0] + [s + 1 for s, _ in logged[1:]] if logged else []
+
+
+def _fmt(value: float | None, spec: str, missing: str) -> str:
+    return missing if value is None else format(value, spec)
+
+
+def cell(column: dict, arm: Arm, hook) -> str:
+    """One table cell of ``arm`` as ``column`` describes it."""
+    spec, missing = column.get("format", ".3f"), column.get("missing", "-")
+    what = column["cell"]
+    if what == "arm":
+        return arm.name
+    if what == "overrides":
+        return harness.shown(arm.overrides)
+    kind, key = next(iter(what.items()))
+    if kind == "overrides":  # {overrides: with_base}: what the study's base adds, then the arm's own
+        return harness.shown([*arm.base, *arm.overrides])
+    spec = what.get("format", spec)
+    if kind == "window":
+        values, n = arm.values(key), what["size"]
+        if not values:
+            return missing
+        return f"{format(harness.mean(values[:n]), spec)} → {format(harness.mean(values[-n:]), spec)}"
+    if kind == "series":
+        return " → ".join(format(v, spec) for v in arm.values(key)) or missing
+    if kind == "last":
+        found = [arm.values(k)[-1] for k in ([key] if isinstance(key, str) else key) if arm.values(k)]
+        return _fmt(found[0] if found else None, spec, missing)
+    if kind == "record":
+        value = arm.record.get("peak_rss", 0) / 2**20 if key == "peak_rss_mib" else arm.record.get(key)
+        return _fmt(value, spec, missing)
+    return hook.cells[key](arm)
+
+
+def table(study: dict, arms: list[Arm], hook) -> list[str]:
+    """The study's markdown table: its header (``{eval_steps}`` filled in) and a row per arm."""
+    steps = sorted({s for arm in arms for s in eval_steps(arm, study.get("eval_key", "val/correct_answer"))})
+    cells = {id(c): [cell(c, arm, hook) for arm in arms] for c in study["columns"]}
+    columns = [
+        c for c in study["columns"]
+        if not c.get("optional") or any(x != c.get("missing", "-") for x in cells[id(c)])
+    ]  # fmt: skip
+    headers = [c["header"].format(eval_steps=", ".join(map(str, steps))) for c in columns]
+    aligns = ["---:" if c.get("align") == "right" else "---" for c in columns]
+    lines = ["| " + " | ".join(headers) + " |", "| " + " | ".join(aligns) + " |"]
+    for i in range(len(arms)):
+        lines.append("| " + " | ".join(cells[id(c)][i] for c in columns) + " |")
+    return lines
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("study", nargs="?", help="a file name in bench/studies/, without .yaml")
+    p.add_argument("--list", action="store_true", help="print the studies there are and exit")
+    p.add_argument("--arms", nargs="+", metavar="NAME", help="run these arms only")
+    p.add_argument("--out", help="runs folder, a subfolder per arm (default runs/<study>)")
+    p.add_argument("--results", help="folder for the results file (default bench/results)")
+    p.add_argument("--reuse", action="store_true", help="read an arm already run in --out instead of rerunning it")
+    p.add_argument("--threads", type=int, help="CPU threads per run (default: the study's, else 1)")
+    p.add_argument("--keep-checkpoints", action="store_true", help="keep each run's .ckpt files (deleted by default)")
+    p.add_argument("--quick", action="store_true", help="the study's tiny config, 1-2 steps, temporary folders")
+    args = p.parse_args(argv)
+    if args.list:
+        return args
+    if not args.study:
+        p.error(f"a study is needed; one of {', '.join(study_names())}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> str:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.list:
+        print("\n".join(study_names()))
+        return ""
+    study = load_study(args.study)
+    hook = load_hook(study)
+    quick = study.get("quick", {}) if args.quick else {}
+    config = quick.get("config", study["config"])
+    base = [str(x) for x in (quick.get("base", study.get("base", [])) if args.quick else study.get("base", []))]
+    names = args.arms or quick.get("arms") or list(study["arms"])
+    unknown = [n for n in names if n not in study["arms"]]
+    if unknown:
+        raise SystemExit(f"error: --arms: unknown {', '.join(unknown)}; use some of {', '.join(study['arms'])}")
+    threads = args.threads or study.get("threads", 1)
+    scratch = Path(tempfile.mkdtemp(prefix=f"lit_rl_{study['name']}_")) if args.quick else None
+    out = Path(args.out) if args.out else (scratch / "runs" if scratch else harness.ROOT / "runs" / study["name"])
+    results = Path(args.results) if args.results else (scratch or harness.ROOT / "bench" / "results")
+    print(f"runs in {out}, results in {results}", file=sys.stderr, flush=True)
+
+    keys = study.get("read", {})
+    arms = []
+    for i, name in enumerate(names):
+        spec = study["arms"][name]
+        overrides, arm_base = spec["overrides"], base if spec.get("base", True) else []
+        extra = [*arm_base, *overrides, *(str(x) for x in quick.get("overrides", []))]
+        run, record = harness.run_fit(config, out / name, extra, reuse=args.reuse, threads=threads)
+        if not args.keep_checkpoints:  # weights and optimizer state: nothing in a table reads them
+            for ckpt in (out / name).rglob("*.ckpt"):
+                ckpt.unlink()
+        series = harness.read_scalars(str(run), keys.get("required", []))
+        series.update(harness.read_scalars(str(run), keys.get("optional", []), optional=True))
+        arms.append(Arm(name, overrides, arm_base, record, series, run, section=spec.get("section")))
+        print(f"[{i + 1}/{len(names)}] {name}: {record['wall']:.0f} s", file=sys.stderr, flush=True)
+
+    command = f"nice -n 10 python bench/study.py {study['name']}"
+    this = shlex.join(["python", "bench/study.py", *argv])
+    loads = [x for a in arms for x in (a.record.get("load_before"), a.record.get("load_after"))]
+    commits = sorted({a.record.get("commit") for a in arms if a.record.get("commit")})
+    fill = {k: v for k, v in study.items() if isinstance(v, (str, int, float))} | {"config": config}
+    lines = harness.header_lines(
+        study["title"], command, this_file=this, commit=", ".join(commits) or None, loads=loads, threads=threads
+    )
+    lines += [
+        f"Each run: `python -m lit_rl fit --config {config} {shlex.join(base)} <overrides>` in a fresh process; "
+        "each arm's output is in `<out>/<arm>/fit.log`, its wall time, peak RSS and commit in `bench_run.json`.",
+        "",
+    ]
+    if study.get("description"):
+        lines += [" ".join(study["description"].split()).format(**fill), ""]
+    lines += table(study, [a for a in arms if not a.section], hook)
+    for section in dict.fromkeys(a.section for a in arms if a.section):
+        inside = [a for a in arms if a.section == section]
+        lines += ["", f"## {section}", "", f"Each run: `python -m lit_rl fit --config {config} <overrides>`.", ""]
+        lines += table(study, inside, hook)
+    if hook is not None and hasattr(hook, "after"):
+        lines += hook.after(study, arms, results)
+    text = "\n".join(lines) + "\n"
+    results.mkdir(parents=True, exist_ok=True)
+    path = results / study.get("results", f"{study['name']}.md")
+    path.write_text(text)
+    if study.get("json"):
+        rows = {a.name: {"overrides": a.overrides, "record": a.record, "series": a.series} for a in arms}
+        path.with_suffix(".json").write_text(json.dumps(rows, indent=1) + "\n")
+    print(text)
+    print(f"wrote {path}", file=sys.stderr)
+    return text
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""Every study in bench/studies/ runs end to end in its quick mode, so no study can rot.
+
+Each study's ``--quick`` trains its tiny config (a random model built in memory) for 1-2 steps per arm in a
+subprocess, exactly as ``python bench/study.py <study> --quick`` does; the numbers mean nothing. Checked: the results
+file has the study's columns in order, a row per quick arm, the cells of the scalars the study requires are filled,
+the columns are those of the committed full-run results file, and ``--reuse`` rebuilds the table without rerunning.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+STUDY = ROOT / "bench" / "study.py"
+STUDIES = sorted(p.stem for p in (ROOT / "bench" / "studies").glob("*.yaml"))
+
+
+def _study(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(STUDY), *args], cwd=ROOT, capture_output=True, text=True, timeout=900)
+
+
+def _first_table(text: str) -> tuple[list[str], list[list[str]]]:
+    """Header cells and body rows (lists of stripped cells) of the first markdown table in ``text``."""
+    lines = text.splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("| "))
+    rows = []
+    for ln in lines[start:]:
+        if not ln.startswith("|"):
+            break
+        rows.append([c.strip() for c in ln.strip().strip("|").split("|")])
+    return rows[0], rows[2:]
+
+
+def _columns(headers: list[str]) -> list[str]:
+    # a header may name the steps it was evaluated at ("after batches 0, 10, 20"): the steps differ, the column not
+    return [re.sub(r"\d+(, \d+)+", "<steps>", h) for h in headers]
+
+
+def test_every_study_parses_and_names_known_cells():
+    assert STUDIES, "bench/studies/ has no study"
+    for name in STUDIES:
+        study = yaml.safe_load((ROOT / "bench" / "studies" / f"{name}.yaml").read_text())
+        assert {"title", "config", "arms", "columns", "quick"} <= study.keys(), name
+        assert set(study["quick"].get("arms", study["arms"])) <= set(study["arms"]), name
+        assert study["quick"]["config"].endswith("_tiny.yaml"), name
+
+
+def _checkpointing(column: dict[str, tuple[str, ...]], arms: list[str]) -> None:
+    """More checkpointed layers hold fewer bytes, the estimator predicts them, and one unprofiled step is timed."""
+    layers = dict(zip(arms, map(int, column["checkpointed layers"])))
+    assert layers["off"] == 0 and layers["1"] >= layers["2"] > 0, layers
+    peaks = dict(zip(arms, map(float, column["tensor peak (MiB)"])))
+    predicted = dict(zip(arms, map(float, column["predicted (MiB)"])))
+    assert peaks["1"] <= peaks["2"] <= peaks["off"] and peaks["1"] < peaks["off"], peaks
+    for arm, peak in peaks.items():
+        assert predicted[arm] == pytest.approx(peak, rel=0.25), arm
+    assert all(float(s) > 0 for s in column["step (s)"]) and set(column["steps timed"]) == {"1"}, column
+
+
+CHECKS = {"checkpointing": _checkpointing}  # a study's own assertions on its quick table, by column
+
+
+@pytest.mark.bench
+@pytest.mark.slow
+@pytest.mark.parametrize("name", STUDIES)
+def test_quick_run_writes_the_columns_and_a_row_per_arm(name, tmp_path):
+    study = yaml.safe_load((ROOT / "bench" / "studies" / f"{name}.yaml").read_text())
+    out, results = tmp_path / "runs", tmp_path / "results"
+    done = _study(name, "--quick", "--out", str(out), "--results", str(results))
+    assert done.returncode == 0, done.stderr[-3000:]
+    filename = study.get("results", f"{name}.md")
+    text = (results / filename).read_text()
+    assert text.startswith(f"# {study['title']}\n")
+    assert f"Regenerate: `nice -n 10 python bench/study.py {name}`" in text
+
+    headers, rows = _first_table(text)
+    # an optional column (a metric only newer code logs) is left out when no arm has it
+    columns = [c for c in study["columns"] if not c.get("optional") or c["header"] in headers]
+    expected = [c["header"].split("{")[0] for c in columns]
+    assert len(headers) == len(expected) and all(h.startswith(e) for h, e in zip(headers, expected)), headers
+    arms = study["quick"].get("arms", list(study["arms"]))
+    in_sections = [a for a in arms if isinstance(study["arms"][a], dict) and study["arms"][a].get("section")]
+    assert [r[0] for r in rows] == [a for a in arms if a not in in_sections]
+    for arm in in_sections:
+        section = text.split(f"## {study['arms'][arm]['section']}", 1)[1]
+        assert [r[0] for r in _first_table(section)[1]] == [arm]
+    required = set(study.get("read", {}).get("required", []))
+    for column, i in ((c, i) for i, c in enumerate(columns) if isinstance(c["cell"], dict)):
+        kind, key = next(iter(column["cell"].items()))
+        if kind in ("window", "series") and key in required:
+            assert all(r[i] not in ("", column.get("missing", "-")) for r in rows), (column["header"], rows)
+
+    committed = ROOT / "bench" / "results" / filename
+    if committed.exists():  # the quick run's columns are those of the committed full run's file
+        optional = {c["header"] for c in study["columns"] if c.get("optional")}
+        assert _columns([h for h in headers if h not in optional]) == _columns(
+            [h for h in _first_table(committed.read_text())[0] if h not in optional]
+        )
+
+    # every arm's overrides reached its run (the config Lightning saved beside its logs)
+    for arm in arms:
+        saved = yaml.safe_load(next((out / arm).rglob("config.yaml")).read_text())
+        spec = study["arms"][arm]
+        overrides = spec.get("overrides", []) if isinstance(spec, dict) else spec
+        for flag, value in zip(overrides[::2], overrides[1::2]):
+            if flag == "--config":  # a config fragment: what it sets is in the saved config, not its name
+                continue
+            node = saved
+            for part in flag.removeprefix("--").split("."):
+                node = node[-1] if isinstance(node, list) else node  # `callbacks.init_args`: the last callback's
+                node = node[part]
+            assert node == yaml.safe_load(str(value)), (arm, flag, node)
+    if name in CHECKS:
+        CHECKS[name](dict(zip(headers, zip(*rows))), [r[0] for r in rows])
+
+    again = _study(name, "--quick", "--reuse", "--out", str(out), "--results", str(results))
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "+ " not in again.stderr  # nothing was run again
+    assert _first_table((results / filename).read_text()) == (headers, rows)
+
+
+def test_unknown_study_and_arm_are_refused():
+    done = _study("no_such_study", "--quick")
+    assert done.returncode != 0 and "no study 'no_such_study'" in done.stderr
+    if STUDIES:
+        done = _study(STUDIES[0], "--quick", "--arms", "no_such_arm")
+        assert done.returncode != 0 and "unknown no_such_arm" in done.stderr
