@@ -60,7 +60,7 @@ CONFIGS = {
         "3",
         "--model.init_args.num_iterations",
         "2",
-        "--model.init_args.loss_type",
+        "--model.init_args.loss.loss_type",
         "grpo",
     ],
     # LoRA (reference = adapters disabled), activation checkpointing, bf16 weights

@@ -83,14 +83,16 @@ def model_config(shape: bpu.BenchConfig, vocab: int):
 
 def predict(cfg: SweepConfig, shape: bpu.BenchConfig, vocab: int) -> dict[str, int]:
     """``estimate_step``'s first-step peaks for the reference pass and the update of this point."""
+    from lit_rl.losses import LossSettings
     from lit_rl.memory.estimate import estimate_step
     from lit_rl.methods import RefCachedGRPO
     from lit_rl.models import LoraSettings
 
     method = RefCachedGRPO(
         name_or_path="bench", lora=LoraSettings(), num_generations=shape.num_generations,
-        max_new_tokens=shape.completion_len, min_new_tokens=shape.completion_len, beta=shape.beta,
-        loss_type=shape.loss_type, temperature=shape.temperature, share_prompt=False,
+        max_new_tokens=shape.completion_len, min_new_tokens=shape.completion_len,
+        loss=LossSettings(beta=shape.beta, loss_type=shape.loss_type), temperature=shape.temperature,
+        share_prompt=False,
     )  # fmt: skip
     est = estimate_step(
         method, batch_size=shape.num_prompts, prompt_length=shape.prompt_len, model_config=model_config(shape, vocab),
