@@ -285,7 +285,8 @@ def test_the_quick_bench_measures_both_ios(tmp_path):
     done = subprocess.run(bench, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     text = out.read_text()
-    assert text.startswith(f"Command: `python bench/bench_checkpoint_save.py --quick --out {out}`")
+    assert text.startswith("# Checkpoint save") and "Regenerate: `python bench/bench_checkpoint_save.py --out " in text
+    assert f"This file: `python bench/bench_checkpoint_save.py --quick --out {out}`." in text  # harness.header_lines
     rows = [[c.strip() for c in line.split("|")[1:-1]] for line in text.splitlines() if line.startswith("| ")]
     header, body = rows[0], rows[2:]  # rows[1]: the alignment row
     assert [r[0].split()[1] for r in body] == ["TorchCheckpointIO", "StreamingCheckpointIO"]
