@@ -46,7 +46,7 @@ from lit_rl.memory.phases import BACKWARD, OPTIMIZER
 from lit_rl.methods.base import RLMethod
 from lit_rl.methods.evaluation import distinct_bigrams
 from lit_rl.models import (
-    cache_kwargs,
+    cache_keyword,
     forward_soft_embeds,
     head_spec,
     load_reward_model,
@@ -389,6 +389,7 @@ class PolicyStepper:
 
     def __init__(self, method: GumbelTopK, prompt_ids, prompt_mask, positions, *, grad: bool) -> None:
         self.method, self.model = method, trunk(method.policy)
+        self.cache_key = cache_keyword(self.model)  # read once, not at every step
         self.config = method.policy.config
         self.mask, self.position = prompt_mask, positions[:, -1:]  # [b, P], [b, 1]
         self.grad = grad
@@ -421,7 +422,7 @@ class PolicyStepper:
             i += 2 * n
         cache = DynamicCache(ddp_cache_data=past, config=self.config)
         out = self.model(inputs_embeds=embeds, attention_mask=mask, position_ids=position,
-                         **cache_kwargs(self.model, cache), use_cache=True)  # fmt: skip
+                         **{self.cache_key: cache}, use_cache=True)  # fmt: skip
         new = [t for layer in cache.layers for t in (layer.keys[:, :, -1:].clone(), layer.values[:, :, -1:].clone())]
         return (out.last_hidden_state[:, -1], *new)
 
@@ -435,6 +436,7 @@ class ReferenceStepper:
         self.mask, self.position = prompt_mask, positions[:, -1:]
         with torch.no_grad(), method.as_reference() as model:
             self.head = head_spec(model)
+            self.cache_key = cache_keyword(trunk(model))  # read once, not at every step
             out = trunk(model)(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions, use_cache=True)
             self.features = self.head.features(out.last_hidden_state[:, -1])  # [b, E]
         self.cache = output_cache(out)
@@ -443,7 +445,6 @@ class ReferenceStepper:
         self.mask = torch.cat([self.mask, self.mask.new_ones(self.mask.shape[0], 1)], dim=1)  # [b, L + 1]
         self.position = self.position + 1
         with torch.no_grad(), self.method.as_reference() as model:
-            body = trunk(model)
-            out = body(input_ids=token[:, None], attention_mask=self.mask, position_ids=self.position,
-                       **cache_kwargs(body, self.cache), use_cache=True)  # fmt: skip
+            out = trunk(model)(input_ids=token[:, None], attention_mask=self.mask, position_ids=self.position,
+                               **{self.cache_key: self.cache}, use_cache=True)  # fmt: skip
             self.features = self.head.features(out.last_hidden_state[:, -1])  # [b, E]

@@ -2,8 +2,8 @@
 
 transformers 5.24 renamed the forward's ``past_key_values`` argument (and the output field) to ``cache`` and warns on
 the old name until 5.40, where the old name goes away; releases before 5.24, and remote-code models written for them,
-take only ``past_key_values``. Every cached forward in lit-rl passes the cache as ``**cache_kwargs(model, cache)`` so
-one code path serves both, with no warning on either.
+take only ``past_key_values``. Every cached forward in lit-rl passes the cache under :func:`cache_keyword` (the
+loops that step token by token read it once per rollout), so one code path serves both, with no warning on either.
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from transformers import DynamicCache, DynamicLayer, GenerationConfig
 
-from lit_rl.models.cache_keyword import cache_kwargs
+from lit_rl.models.cache_keyword import cache_keyword
 from lit_rl.models.cast_once import linear_weights_cast_once
 from lit_rl.models.head import base_model
 
@@ -255,6 +255,7 @@ def decode(
     if cache is None:
         cache = DynamicCache(config=base_model(model).config)
     cached = cache.get_seq_length()
+    cache_key = cache_keyword(model)  # read once, not at every token
     unfinished = torch.ones(b, dtype=torch.long, device=device)  # [B]
     length = p
     # under mixed precision each weight is cast once for the rollout, not at every token (the same numbers)
@@ -267,7 +268,7 @@ def decode(
                     input_ids=sequences[:, cached:length],
                     attention_mask=mask[:, :length] if keep_mask else None,
                     position_ids=positions[:, cached:length],
-                    **cache_kwargs(model, cache),
+                    **{cache_key: cache},
                     use_cache=True,
                     logits_to_keep=1,
                     return_dict=True,
