@@ -337,7 +337,7 @@ class RefCachedGRPO(RLMethod):
         seq = s["prompt_length"] + c
         tc, vc = plan_chunks(mb * c, s["vocab"], s["hidden"], self.hparams.chunk_size, None, LOGITS_BUDGET_BYTES)
         full = mb * c * s["vocab"] * 4
-        caches = [n for n, on in (("reference", self.loss.beta > 0), ("old", self.hparams.num_iterations > 1)) if on]
+        caches = [n for n, on in (("reference", self.needs_reference), ("old", self.hparams.num_iterations > 1)) if on]
         rows = [
             (
                 "rollout tensors",
@@ -374,10 +374,10 @@ class RefCachedGRPO(RLMethod):
     def score_rollout(self, rollout: Rollout) -> dict[str, float] | None:
         """Reference (and old-policy) log-probs, once per rollout batch: phase ``reference``."""
         hp = self.hparams
-        if self.loss.beta == 0 and hp.num_iterations == 1:
+        if not self.needs_reference and hp.num_iterations == 1:
             return  # nothing to cache: no KL term and the update is on-policy
         with self.phases("reference"):
-            if self.loss.beta > 0:
+            if self.needs_reference:
                 rollout.ref_logp = self.reference_logp(rollout)
             if hp.num_iterations > 1:
                 rollout.old_logp = self.micro_batched_stats(self.policy, rollout)[0]

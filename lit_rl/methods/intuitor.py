@@ -76,7 +76,7 @@ class Intuitor(RefCachedGRPO):
         """Reference log-probs, then self-certainty (and old log-probs) from one policy pass: phase ``reference``."""
         hp = self.hparams
         with self.phases("reference"):
-            if self.loss.beta > 0:
+            if self.needs_reference:
                 rollout.ref_logp = self.reference_logp(rollout)
             old_logp, certainty = self.micro_batched_stats(self.policy, rollout, self_certainty=True)  # [B*G, C] x2
             if hp.num_iterations > 1:
