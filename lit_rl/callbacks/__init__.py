@@ -10,4 +10,12 @@ from lit_rl.callbacks.oom_report import OOMReport
 from lit_rl.callbacks.progress_bar import StepProgressBar
 from lit_rl.callbacks.run_log import RunLog
 
-__all__ = ["ActivationCheckpointing", "EmptyCache", "MemoryProfiler", "OOMReport", "RunLog", "StepProgressBar", "StreamingCheckpointIO"]
+__all__ = [
+    "ActivationCheckpointing",
+    "EmptyCache",
+    "MemoryProfiler",
+    "OOMReport",
+    "RunLog",
+    "StepProgressBar",
+    "StreamingCheckpointIO",
+]
