@@ -24,11 +24,12 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from harness import ChildFailed, run_measured
 
 ROOT = Path(__file__).resolve().parents[1]
 RATES = "bench/results/machine_rates.json"
@@ -190,27 +191,24 @@ def child_env() -> dict[str, str]:
 
 
 def run_child(setup: Setup, side: str, rnd: int, steps: int, log=print) -> Run:
-    """One fresh process; its peak RSS from ``wait4``'s ``ru_maxrss`` (KiB on Linux)."""
-    import time
-
+    """One fresh process; its peak RSS from ``wait4``'s ``ru_maxrss`` (:func:`harness.run_measured`)."""
     with tempfile.TemporaryDirectory() as tmp:
-        out = str(Path(tmp) / "steps.json")
+        out, log_file = str(Path(tmp) / "steps.json"), Path(tmp) / "log.txt"
         cmd = child_command(setup, side, steps, out, str(Path(tmp) / "runs"))
-        load = os.getloadavg()[0]
-        start = time.perf_counter()
-        with open(Path(tmp) / "log.txt", "w") as logfile:
-            proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdout=logfile, stderr=subprocess.STDOUT)
-            _, status, usage = os.wait4(proc.pid, 0)
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        wall = time.perf_counter() - start
-        if proc.returncode != 0 or not Path(out).exists():
-            tail = (Path(tmp) / "log.txt").read_text()[-3000:]
-            raise RuntimeError(f"{side} run of {setup.name!r} failed (exit {proc.returncode}):\n{tail}")
+        try:
+            child = run_measured(cmd, None, child_env(), log=log_file)
+        except ChildFailed as err:
+            raise RuntimeError(
+                f"{side} run of {setup.name!r} failed (exit {err.code}):\n{err.output[-3000:]}"
+            ) from None
+        if not Path(out).exists():
+            tail = log_file.read_text()[-3000:]
+            raise RuntimeError(f"{side} run of {setup.name!r} failed (exit 0, no {out}):\n{tail}")
         record = json.loads(Path(out).read_text())
         floor = step_floor(Path(tmp) / "runs") if side == "lit-rl" else None
-    run = Run(side, setup.name, rnd, record["step_s"], usage.ru_maxrss * 1024, wall, load, floor)
+    run = Run(side, setup.name, rnd, record["step_s"], child.peak_rss, child.wall, child.load[0], floor)
     log(f"  {setup.name} round {rnd + 1} {side}: peak RSS {run.peak_rss_bytes / 2**30:.2f} GiB, "
-        f"step {run.step_time:.1f} s (steps {', '.join(f'{s:.1f}' for s in run.step_s)}), {wall:.0f} s wall")  # fmt: skip
+        f"step {run.step_time:.1f} s (steps {', '.join(f'{s:.1f}' for s in run.step_s)}), {child.wall:.0f} s wall")  # fmt: skip
     return run
 
 
