@@ -44,7 +44,6 @@ import io
 import logging
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -55,6 +54,7 @@ from pathlib import Path
 import lightning as L
 import torch
 from gumbel_legacy import LegacyGumbelTopK
+from harness import git_commit
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
@@ -433,16 +433,6 @@ def run(opts: argparse.Namespace) -> list[Case]:
     return cases
 
 
-def commit() -> str:
-    """The checkout's short commit, ``+`` when lit_rl/ has uncommitted changes (``?`` outside a git checkout)."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "lit_rl"], cwd=ROOT, capture_output=True, text=True)
-    except OSError:
-        return "?"
-    return (head.stdout.strip() or "?") + ("+" if dirty.stdout.strip() else "")
-
-
 def report(cases: list[Case], cmd: str, wall: float, mass: tuple[float, float, int, int] | None) -> str:
     measured = [c for c in cases if not c.skipped]
     masses: dict[tuple[int, str], list[float]] = {}
@@ -454,7 +444,7 @@ def report(cases: list[Case], cmd: str, wall: float, mass: tuple[float, float, i
     text = [
         f"Command: `{cmd}`",
         "",
-        f"lit_rl at commit `{commit()}`. Machine: `{platform.platform()}`, {os.cpu_count()} cores "
+        f"lit_rl at commit `{git_commit()}`. Machine: `{platform.platform()}`, {os.cpu_count()} cores "
         f"({torch.get_num_threads()} torch threads, shared with other jobs), torch {torch.__version__}. Tensor bytes "
         f"do not depend on the machine's load; the wall times do. Total wall time: {wall:.0f} s.",
         "",
