@@ -33,15 +33,24 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import lightning as L
+import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar, RichProgressBar
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities import rank_zero_info
 
 from lit_rl.callbacks import StepProgressBar
-from lit_rl.cli_errors import OptionParser, check_checkpoint, check_command, check_run_arguments, explain_error
+from lit_rl.cli_errors import (
+    OptionParser,
+    check_checkpoint,
+    check_command,
+    check_run_arguments,
+    config_files,
+    explain_error,
+)
 from lit_rl.memory.estimate import BUILTIN_SHAPES, Estimate, estimate_step, parse_bytes, settings_from
 from lit_rl.memory.fit import fit_report
 from lit_rl.methods.base import RLMethod
+from lit_rl.planner import CHANGES_ARITHMETIC, write_plan
 
 
 class LitRLCLI(LightningCLI):
@@ -72,6 +81,13 @@ class LitRLCLI(LightningCLI):
         }
         super().__init__(RLMethod, L.LightningDataModule, *args, **kwargs)
 
+    def add_arguments_to_parser(self, parser: Any) -> None:
+        parser.add_subclass_arguments(
+            (torch.optim.Optimizer,), "optimizer", instantiate=False, fail_untyped=False,
+            skip={"params", "lr", "weight_decay"}, required=False,
+        )  # fmt: skip
+        parser.link_arguments("optimizer", "model.init_args.optimizer", compute_fn=_optimizer_spec)
+
     def init_parser(self, **kwargs: Any):
         if self._raise_parse_errors:
             kwargs["exit_on_error"] = False
@@ -97,6 +113,12 @@ class LitRLCLI(LightningCLI):
             trainer.callbacks[trainer.callbacks.index(bar)] = StepProgressBar()
         return trainer
 
+    def before_fit(self) -> None:
+        """Checks that need the method and the data together, before the run writes anything."""
+        prompt_length = getattr(self.datamodule, "hparams", {}).get("max_prompt_length")
+        if prompt_length is not None and hasattr(self.model, "check_micro_batch_tokens"):
+            self.model.check_micro_batch_tokens(int(prompt_length))
+
     def before_instantiate_classes(self) -> None:
         # checked before any model is loaded or any log folder is made, so a typo costs nothing
         config = self.config.get(self.subcommand) if self.subcommand else self.config
@@ -104,6 +126,14 @@ class LitRLCLI(LightningCLI):
             # a checkpoint is read as tensors and plain containers, never unpickled code, whatever torch's default
             config["weights_only"] = True
         _drop_checkpoint_callbacks(config.get("trainer"))
+
+
+def _optimizer_spec(optimizer: Any) -> dict[str, Any] | None:
+    return (
+        None
+        if optimizer is None
+        else {"class_path": optimizer.class_path, "init_args": dict(vars(optimizer.init_args))}
+    )
 
 
 def _configured(config: Any) -> bool:
@@ -202,6 +232,19 @@ def _option_parser() -> OptionParser:
         help="whether prompts are left-padded, so the [B, 1, q, kv] attention mask is built (auto: batch size > 1)",
     )
     parser.add_argument("--no-tactics", action="store_true", help="with --device-memory: do not estimate tactics")
+    parser.add_argument(
+        "--plan",
+        metavar="FILE",
+        help="with --device-memory: search the memory tactics for the fastest setting that fits and write it as a "
+        "config fragment (lit-rl fit --config C --config FILE applies it)",
+    )
+    parser.add_argument(
+        "--allow",
+        default="",
+        help="with --plan: tactics that change the arithmetic the plan may use, comma-separated "
+        f"({', '.join(CHANGES_ARITHMETIC)}) or all; by default the plan keeps the config's arithmetic",
+    )
+    parser.add_argument("--rates", metavar="FILE", help="with --plan: machine rates for the times (default: measured)")
     return parser
 
 
@@ -247,6 +290,7 @@ def estimate_from_args(args: list[str]) -> tuple[Estimate, dict[str, Any], Any]:
         settings["reward_model_config"] = options.reward_model_config
     if options.padded != "auto":
         settings["padded"] = options.padded == "yes"
+    module.check_micro_batch_tokens(settings["prompt_length"])
     return estimate_step(module, **settings), settings, module
 
 
@@ -262,7 +306,10 @@ def _estimate(args: list[str]) -> None:
     estimate, settings, module = estimate_from_args(args)  # bad settings raise; main() answers in one line
     print(estimate.table())
     print(f"\n(estimated in {estimate.seconds:.1f} s on fake tensors; no weights were loaded)")
-    if device_bytes is not None:
+    if options.plan:
+        write_plan(module, settings, device_bytes, options.plan, allow=options.allow, rates=options.rates,
+                   args=rest, configs=config_files(rest))  # fmt: skip
+    elif device_bytes is not None:
         _, report = fit_report(module, estimate, device_bytes, settings, tactics=not options.no_tactics)
         print("\n" + report)
 

@@ -34,9 +34,16 @@ from pathlib import Path
 import lightning as L
 import yaml
 
+from lit_rl.models.optimizers import METHOD_OPTIONS
+from lit_rl.planner import check_plan_files
+
 _PACKAGE_DIRS = tuple(str(Path(f).resolve().parent) + os.sep for f in (__file__, L.__file__))  # lit_rl/, lightning/
 _HELP = "`lit-rl fit --help` lists the options"
-_EXAMPLE = {"model": "lit_rl.methods.RefCachedGRPO", "data": "lit_rl.data.PromptDataModule"}
+_EXAMPLE = {
+    "model": "lit_rl.methods.RefCachedGRPO",
+    "data": "lit_rl.data.PromptDataModule",
+    "optimizer": "bitsandbytes.optim.AdamW8bit",
+}
 #: keys a run's config file may hold besides the Trainer method's own arguments (``ckpt_path``, ``verbose``, ...)
 _CONFIG_SECTIONS = {"seed_everything", "trainer", "model", "data", "optimizer", "lr_scheduler"}
 
@@ -88,7 +95,11 @@ def check_run_arguments(args: list[str], command: str = "fit") -> None:
             if name not in trainer and name != "help":
                 raise UsageError(f"trainer.{name}: not an option; {_did_you_mean('trainer.', name, trainer)}")
     top = _CONFIG_SECTIONS | set(LightningCLI.subcommands().get(command, ())) - {"datamodule"}
-    for path in _config_files(args):
+    try:
+        check_plan_files([p for p in config_files(args) if Path(p).is_file()])
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    for path in config_files(args):
         if not Path(path).is_file():
             raise UsageError(
                 f"--config: {path!r} does not exist; give the path of a YAML file, e.g. configs/grpo_tiny.yaml"
@@ -143,7 +154,7 @@ def check_checkpoint(path: str | Path, option: str = "ckpt_path") -> None:
         )
 
 
-def _config_files(args: list[str]) -> list[str]:
+def config_files(args: list[str]) -> list[str]:
     files = [args[i + 1] for i, a in enumerate(args[:-1]) if a in ("--config", "-c")]
     return files + [a.split("=", 1)[1] for a in args if a.startswith("--config=")]
 
@@ -224,6 +235,7 @@ class JsonargparseReport:
     got: str = ""
     detail: str = ""
     unrecognized: list[str] = field(default_factory=list)
+    base_class: str = ""  # "Import path does not correspond to a subclass of <base_class>"
 
 
 #: lines of jsonargparse's Union report that frame the error without saying what is wrong
@@ -245,6 +257,8 @@ def read_jsonargparse_message(message: str) -> JsonargparseReport:
     keys = [m.group(1) for line in lines for m in [re.match(r'Parser key "([^"]+)"', line)] if m]
     report = JsonargparseReport(setting=".".join(k for k in keys if k not in ("init_args", "config")))
     for line in lines:
+        if match := re.search(r"does not correspond to a subclass of (\w+)", line):
+            report.base_class = match.group(1)
         if match := re.search(r"given class_path '([^']+)'", line):
             report.class_path = report.class_path or match.group(1)
         elif match := re.search(r"Option '([^']+)' is not accepted|does not accept option '([^']+)'", line):
@@ -271,7 +285,13 @@ def _parse_error(err: argparse.ArgumentError, chain: list[BaseException]) -> str
     if report.class_path and any(isinstance(c, ImportError) for c in chain):
         example = _EXAMPLE.get(setting, "a class's full import path")
         return f"{setting}.class_path: cannot import {report.class_path!r}; give an importable class, e.g. {example}"
+    if report.base_class:
+        example = _EXAMPLE.get(setting, "a class's full import path")
+        return f"{setting}: {report.got!r} is not a subclass of {report.base_class}; give one, e.g. {example}"
     if report.option:
+        if setting == "optimizer" and report.option in METHOD_OPTIONS:  # left out of --optimizer on purpose
+            option = METHOD_OPTIONS[report.option]
+            return f"optimizer.{report.option}: the method sets it; use --model.init_args.{option} instead"
         if report.class_path:
             hint = _suggest(report.option, report.class_path, setting)
             return f"{setting}.{report.option}: not an option of {report.class_path}; {hint}"

@@ -405,7 +405,7 @@ def test_oom_report_names_phase_breakdown_and_tactics(tmp_path):
     assert report["error"].startswith("OutOfMemoryError")
     assert report["measured"]["phases"]["policy_forward"]["peak_gib"]["max"] > 0
     tactics = {t["tactic"]: t for t in report["tactics"]}
-    assert set(tactics) == {"activation_checkpointing", "micro_batch", "bf16", "lora", "empty_cache"}
+    assert set(tactics) == {"activation_checkpointing", "micro_batch", "bf16", "adamw8bit", "lora", "empty_cache"}
     assert report["tactics"][0]["tactic"] == "activation_checkpointing"  # largest predicted saving first
     assert tactics["activation_checkpointing"]["predicted_saving_gib"] == 3.0
     assert tactics["lora"]["predicted_saving_gib"] is None

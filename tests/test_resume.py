@@ -56,6 +56,11 @@ class NaNGradientsFrom(Callback):
 METHODS = {
     "grpo": ("grpo_tiny.yaml", ["--model.init_args.reward_funcs", "[test_resume.vowels]"]),
     "intuitor": ("intuitor_tiny.yaml", []),
+    # 8-bit AdamW state (min_8bit_size 256: the tiny model's weights are under the default 4096) and a token budget
+    "grpo_adamw8bit_tokens": ("grpo_tiny.yaml", ["--model.init_args.reward_funcs", "[test_resume.vowels]",
+                                                 "--optimizer", "bitsandbytes.optim.AdamW8bit",
+                                                 "--optimizer.min_8bit_size", "256",
+                                                 "--model.init_args.micro_batch_tokens", "300"]),
     # a decaying tau, so the schedule's position is part of what must resume
     "gumbel_topk": ("gumbel_topk_tiny.yaml", ["--model.init_args.tau_schedule", "linear",
                                               "--model.init_args.tau_decay_steps", str(STEPS)]),

@@ -161,6 +161,7 @@ class OOMReport(Callback):
             "activation_checkpointing": any(isinstance(c, ActivationCheckpointing) for c in trainer.callbacks),
             "bf16": "bf16" in str(trainer.precision),
             "lora": policy is not None and hasattr(policy, "peft_config"),
+            "adamw8bit": "8bit" in str((getattr(pl_module, "hparams", {}) or {}).get("optimizer") or ""),
             "empty_cache": any(isinstance(c, EmptyCache) for c in trainer.callbacks),
         }
         micro = {k: v for k, v in dict(getattr(pl_module, "hparams", {}) or {}).items() if "micro_batch" in k}

@@ -60,8 +60,8 @@ def component_table(method, run, record: GenerateRecord, config, settings: dict[
     rows.append(Component("gradients", f"{n_train:,} trainable x {train_dtype}", _param_bytes(trainable)))
     rows.append(
         Component(
-            "optimizer state (AdamW)",
-            f"2 x {n_train:,} x {train_dtype} + {len(trainable)} step counters",
+            f"optimizer state ({run.optimizer_name})",
+            " + ".join(f"{n:,} x {dtype}" for dtype, n in sorted(run.state_numel.items(), key=lambda kv: -kv[1])),
             run.state_bytes,
             f"{run.state_tensors} tensors",
         )

@@ -57,6 +57,7 @@ from lit_rl.memory.fake import (
     PRECISIONS,
     GenerateRecord,
     StandInTokenizer,
+    dtype_name,
     fake_generate,
     fake_mode,
     patches,
@@ -177,8 +178,10 @@ def estimate_step(
         prompt_length=prompt_length,
         max_new_tokens=shape.max_new_tokens,
         sequence_length=prompt_length + shape.max_new_tokens,
-        micro_batch_size=method.micro_batches(batch)[0].stop,  # the first micro-batch is the largest
+        # the first micro-batch is the largest; with a token budget, every row at its longest
+        micro_batch_size=method.micro_batches(batch, [prompt_length + shape.max_new_tokens] * batch)[0].stop,
         activation_checkpointing=activation_checkpointing,
+        optimizer=run.optimizer_name,
         padded=padded,
         config=config,
         hparams=dict(hp),
@@ -296,6 +299,8 @@ class _Run:
     breakdown: dict[str, dict[str, int]] = field(default_factory=dict)
     state_bytes: int = 0
     state_tensors: int = 0
+    state_numel: dict[str, int] = field(default_factory=dict)  # {dtype name: values}: what the state is made of
+    optimizer_name: str = ""
     saved_activations: int = 0
     saved_phase: str = ""
 
@@ -351,6 +356,9 @@ def _run_step(
     state = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
     run.state_bytes = sum(t.untyped_storage().nbytes() for t in state)
     run.state_tensors = len(state)
+    for t in state:
+        run.state_numel[dtype_name(t.dtype)] = run.state_numel.get(dtype_name(t.dtype), 0) + t.numel()
+    run.optimizer_name = type(optimizer).__name__
     batch = {  # the collated batch exists before the step's first phase, as in a real run
         "input_ids": torch.zeros(batch_size, prompt_length, dtype=torch.long),
         "attention_mask": torch.ones(batch_size, prompt_length, dtype=torch.long),

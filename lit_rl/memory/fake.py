@@ -303,3 +303,11 @@ def dtype_name(dtype: torch.dtype) -> str:
     return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "int64"}.get(
         dtype, str(dtype).replace("torch.", "")
     )
+
+
+def is_fake(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a fake tensor (the estimator's), whose value reads all answer 1: a step that sizes
+    its work from values (completion lengths) takes the longest case instead."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(tensor, FakeTensor)

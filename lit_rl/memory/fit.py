@@ -18,7 +18,7 @@ def estimate_savings(module, baseline: Estimate | None = None, **settings: Any) 
 
     Each tactic of :data:`~lit_rl.memory.tactics.TACTICS` that the estimator can predict is estimated by
     re-running :func:`estimate_step` with it applied: ``activation_checkpointing`` (every layer),
-    ``micro_batch`` (half the current micro-batch), ``lora`` (r=16 on all linear layers; also drops the
+    ``micro_batch`` (half the current micro-batch), ``adamw8bit`` (bitsandbytes' 8-bit AdamW), ``lora`` (r=16 on all linear layers; also drops the
     frozen reference copy) and ``bf16`` (``bf16-true``).
 
     Args:
@@ -49,7 +49,7 @@ def choose_checkpointing(module, device_bytes: int, baseline: Estimate | None = 
     layers are spread evenly (15, not 29, for two of 30 layers: the recompute of a layer near the top then runs
     while fewer activations below it are held).
 
-    The search assumes what the estimator shows (``tests/test_choose_checkpointing.py`` checks it): checkpointing
+    The search assumes what the estimator shows (``tests/testleast_checkpointing.py`` checks it): checkpointing
     fewer layers never lowers the predicted peak. It is a binary search over the distinct layer counts (about
     ``2 sqrt(L)`` of them), so an answer takes the estimate without checkpointing, the one with every layer and
     about ``log2(2 sqrt(L))`` more (4 for 30 layers), each a run of the method's step on fake tensors.
@@ -61,17 +61,18 @@ def choose_checkpointing(module, device_bytes: int, baseline: Estimate | None = 
         baseline: an estimate already made at these ``settings`` (with or without checkpointing), reused.
         **settings: the keyword arguments of :func:`estimate_step`; their ``activation_checkpointing`` is replaced.
     """
-    return _choose_checkpointing(module, device_bytes, settings, _seed(baseline))[0]
+    return least_checkpointing(module, device_bytes, settings, _seed(baseline))[0]
 
 
 def _seed(baseline: Estimate | None) -> dict[int, Estimate]:
     return {} if baseline is None else {baseline.settings["activation_checkpointing"]: baseline}
 
 
-def _choose_checkpointing(
+def least_checkpointing(
     module, device_bytes: int, settings: dict[str, Any], known: dict[int, Estimate]
 ) -> tuple[int | None, dict[int, Estimate]]:
-    """:func:`choose_checkpointing` and every estimate it made (``known``: every_n_layers -> estimate, added to)."""
+    """:func:`choose_checkpointing` and every estimate it made (``known``: every_n_layers -> estimate, added to, so
+    a caller that has some estimates already passes them in)."""
 
     def fits(k: int) -> bool:
         if k not in known:
@@ -83,7 +84,7 @@ def _choose_checkpointing(
     if not fits(1):
         return None, known
     # per distinct layer count, fewest first, the smallest k giving it; k = 1 (every layer) last
-    layers = _layer_count(known[0].settings["config"])
+    layers = layer_count(known[0].settings["config"])
     counts = {checkpointed_layers(layers, k): k for k in range(layers, 0, -1)}
     options = [counts[c] for c in sorted(counts)]
     lo, hi = 0, len(options) - 1  # options[hi] fits (k = 1 does)
@@ -96,7 +97,7 @@ def _choose_checkpointing(
     return options[hi], known
 
 
-def _layer_count(config: Any) -> int:
+def layer_count(config: Any) -> int:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     return int(getattr(text, "num_hidden_layers", None) or getattr(text, "n_layer", None) or 1)
 
@@ -119,6 +120,8 @@ def _tactics(baseline: Estimate) -> dict[str, dict[str, Any]]:
         changes["activation_checkpointing"] = {"activation_checkpointing": 1}
     if s["micro_batch_size"] > 1:
         changes["micro_batch"] = {"micro_batch_size": max(1, s["micro_batch_size"] // 2)}
+    if s["optimizer"] == "AdamW":
+        changes["adamw8bit"] = {"optimizer": {"class_path": "bitsandbytes.optim.AdamW8bit", "init_args": {}}}
     if not s["lora"]:
         changes["lora"] = {"lora": LoraSettings()}
     if s["precision"] in ("32-true", "32"):
@@ -150,7 +153,7 @@ def fit_report(
     every, current = 1, estimate.settings["activation_checkpointing"]
     if "activation_checkpointing" in results:  # the least checkpointing that fits, rather than every layer
         known = {current: estimate, 1: results["activation_checkpointing"][1]}
-        every = _choose_checkpointing(module, device_bytes, settings, known)[0] or 1
+        every = least_checkpointing(module, device_bytes, settings, known)[0] or 1
         results["activation_checkpointing"] = (estimate.peak_bytes - known[every].peak_bytes, known[every])
     if not results:
         lines.append("  every tactic the estimator knows is already on; use a smaller batch or shorter sequences")
@@ -162,7 +165,7 @@ def fit_report(
         how = TACTICS[name].how.format(value=other.settings["micro_batch_size"])
         verb = "add"
         if name == "activation_checkpointing":
-            how = _checkpointing_how(how, every, _layer_count(estimate.settings["config"]), current)
+            how = _checkpointing_how(how, every, layer_count(estimate.settings["config"]), current)
             verb = "set" if current else verb
         if saved <= 0:
             lines.append(f"  - {name}: no saving, the peak stays in {other.peak_phase} ({how})")

@@ -37,13 +37,20 @@ TACTICS: dict[str, Tactic] = {
         ),
         Tactic(
             "micro_batch",
-            "a smaller update micro-batch: saved activations shrink in proportion; more, smaller passes",
+            "a smaller update micro-batch (by rows, or by tokens with micro_batch_tokens): saved activations shrink "
+            "in proportion; more, smaller passes",
             "--model.init_args.micro_batch_size {value}",
         ),
         Tactic(
             "bf16",
             "bf16 weights and activations, half the bytes of float32 (log-prob math stays float32)",
             "--trainer.precision bf16-true",
+        ),
+        Tactic(
+            "adamw8bit",
+            "AdamW's two moments in 8 bits with one fp32 scale per 256 values instead of fp32 (bitsandbytes): about "
+            "a quarter of the optimizer state; changes the update slightly (bench/results/optimizer.md)",
+            "--optimizer bitsandbytes.optim.AdamW8bit",
         ),
         Tactic(
             "lora",

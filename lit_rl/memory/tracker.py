@@ -31,6 +31,7 @@ from functools import partial
 from typing import Any
 
 import torch
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
@@ -274,8 +275,9 @@ def _check_category(name: str) -> None:
 def _as_optimizer(obj: Any) -> torch.optim.Optimizer | None:
     if isinstance(obj, torch.optim.Optimizer):
         return obj
-    inner = getattr(obj, "optimizer", None)  # lightning's LightningOptimizer wrapper
-    return inner if isinstance(inner, torch.optim.Optimizer) else None
+    if isinstance(obj, LightningOptimizer):  # Lightning's wrapper of the optimizer a module steps
+        return obj.optimizer
+    return None
 
 
 # The hooks and the free-callback hold the tracker weakly: a model outliving its tracker keeps no tracker alive.

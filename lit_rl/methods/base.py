@@ -40,7 +40,8 @@ from lit_rl.methods.evaluation import EvalSettings, HeldOutEvaluation
 from lit_rl.methods.rewards import TextAndRewards
 from lit_rl.methods.rng import rng_states, set_rng_states
 from lit_rl.methods.standalone import StandaloneStep
-from lit_rl.models import LoraSettings, load_causal_lm, load_tokenizer
+from lit_rl.methods.token_budget import budget_slices, check_budget
+from lit_rl.models import LoraSettings, build_optimizer, load_causal_lm, load_tokenizer
 from lit_rl.models.compiled_decode import choose_decode
 from lit_rl.models.quantize import check_quantize_base, nf4_memory
 
@@ -135,12 +136,20 @@ class RLMethod(HeldOutEvaluation, TextAndRewards, StandaloneStep, L.LightningMod
         max_grad_norm: gradient clipping by global norm; 0 disables it.
         micro_batch_size: sequences per forward/backward in the update; ``null`` does the whole batch at
             once. Smaller means a lower activation peak, at more passes per step.
+        micro_batch_tokens: a token budget per micro-batch, beside ``micro_batch_size``: ``rows x the longest
+            row`` (prompt + completion, padding included) stays within it, so a late long completion gets a pass
+            of its own (:mod:`lit_rl.methods.token_budget`). ``null``: rows only. At least
+            ``data.max_prompt_length + max_new_tokens``, checked before the run starts.
         max_nonfinite_steps: stop the run after this many non-finite losses or gradients in a row (each skips
             its update); the message names the step and the last finite step's metrics.
         metric_funcs: reward-shaped functions (import paths) that are logged as ``metric/<name>/mean``,
             never rewarded.
         evaluation: how held-out prompts are completed and scored (greedy by default), see
             :class:`~lit_rl.methods.evaluation.EvalSettings`; the prompts come from the datamodule's ``val_dataloader``.
+        optimizer: set by the top-level ``--optimizer`` (a ``torch.optim.Optimizer`` class path and its options, as in
+            any LightningCLI program; ``bitsandbytes.optim.AdamW8bit`` keeps AdamW's moments in 8 bits); ``null``:
+            fused AdamW. It gets ``learning_rate`` and ``weight_decay`` from the options above. See
+            :func:`lit_rl.models.optimizers.build_optimizer`.
         decode: ``own``: rollouts and held-out completions from :func:`lit_rl.models.decode.decode` (a preallocated
             KV cache, the same tokens as ``generate``) where the model passes its load-time check, else ``generate``
             with the reason said once; ``compiled``: that loop with its one-token step through ``torch.compile``
@@ -152,6 +161,9 @@ class RLMethod(HeldOutEvaluation, TextAndRewards, StandaloneStep, L.LightningMod
     frozen_modules: ClassVar[tuple[str, ...]] = ("reference",)
     #: metric keys shown on the progress bar (``reward/mean`` as ``reward``)
     progress_bar_metrics: ClassVar[tuple[str, ...]] = ()
+    #: whether the step passes its rows' real token counts to :meth:`update` (a token budget then packs short rows
+    #: together; the memory planner states micro-batches as ``micro_batch_tokens`` for such a method)
+    uses_token_lengths: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -166,10 +178,12 @@ class RLMethod(HeldOutEvaluation, TextAndRewards, StandaloneStep, L.LightningMod
         weight_decay: float = 0.0,
         max_grad_norm: float = 1.0,
         micro_batch_size: int | None = None,
+        micro_batch_tokens: int | None = None,
         max_nonfinite_steps: int = 3,
         metric_funcs: list[str] | None = None,
         evaluation: EvalSettings | None = None,
         decode: Literal["own", "compiled", "generate"] = "own",
+        optimizer: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()  # collects the arguments of every __init__ in the chain
@@ -179,6 +193,10 @@ class RLMethod(HeldOutEvaluation, TextAndRewards, StandaloneStep, L.LightningMod
         if micro_batch_size is not None and micro_batch_size < 1:
             raise ValueError(
                 f"model.micro_batch_size: must be >= 1 or null, got {micro_batch_size}; use null for the whole batch"
+            )
+        if micro_batch_tokens is not None and micro_batch_tokens < 1:
+            raise ValueError(
+                f"model.micro_batch_tokens: must be >= 1 or null, got {micro_batch_tokens}; use null for rows only"
             )
         if max_nonfinite_steps < 1:
             raise ValueError(f"model.max_nonfinite_steps: must be >= 1, got {max_nonfinite_steps}; set it to 1 or more")
@@ -345,6 +363,8 @@ class RLMethod(HeldOutEvaluation, TextAndRewards, StandaloneStep, L.LightningMod
         if not params:
             raise ValueError("model.lora.target_modules: the policy has no trainable parameters; name modules it has")
         hp = self.hparams
+        if hp.get("optimizer") is not None:  # --optimizer: any torch.optim.Optimizer, with the method's lr and decay
+            return build_optimizer(hp.optimizer, params, lr=hp.learning_rate, weight_decay=hp.weight_decay)
         # fused: one kernel per parameter group on CPU and CUDA, without foreach's temporaries the size of every
         # trainable weight (bench/results/estimate.md shows them on a Qwen2.5-3B shape); same update up to rounding.
         # Not under mixed precision: Lightning refuses to clip a fused optimizer's gradients there (it unscales them)
@@ -369,15 +389,28 @@ class RLMethod(HeldOutEvaluation, TextAndRewards, StandaloneStep, L.LightningMod
             if key in logged:
                 self.log(key.split("/")[0], logged[key], prog_bar=True, logger=False, batch_size=batch_size)
 
-    def micro_batches(self, n: int) -> list[slice]:
-        """Slices of ``n`` sequences of at most ``micro_batch_size`` each."""
-        size = self.hparams.micro_batch_size or n
-        return [slice(i, min(i + size, n)) for i in range(0, n, size)]
+    def micro_batches(self, n: int, lengths: list[int] | None = None) -> list[slice]:
+        """Consecutive slices of ``n`` sequences: at most ``micro_batch_size`` rows each and, when
+        ``micro_batch_tokens`` is set and the rows' token ``lengths`` are given, at most that many tokens counted
+        as rows x the slice's longest row (:func:`lit_rl.methods.token_budget.budget_slices`)."""
+        size, budget = self.hparams.micro_batch_size or n, self.hparams.get("micro_batch_tokens")
+        if budget is None or lengths is None:
+            return [slice(i, min(i + size, n)) for i in range(0, n, size)]
+        return budget_slices(lengths, size, budget)
+
+    def check_micro_batch_tokens(self, prompt_length: int) -> None:
+        """Refuse (``ValueError``, one line) a token budget below one prompt of ``prompt_length`` tokens plus one
+        full completion."""
+        check_budget(self.hparams.get("micro_batch_tokens"), prompt_length, self.rollout_shape())
 
     def update(
-        self, n: int, loss_fn: Callable[[slice], tuple[torch.Tensor, dict[str, float]]]
+        self,
+        n: int,
+        loss_fn: Callable[[slice], tuple[torch.Tensor, dict[str, float]]],
+        lengths: list[int] | None = None,
     ) -> tuple[float, list[dict[str, float]]]:
-        """One guarded optimizer step over ``n`` sequences in micro-batches.
+        """One guarded optimizer step over ``n`` sequences in micro-batches (:meth:`micro_batches`, with the rows'
+        token ``lengths`` when the method knows them).
 
         ``loss_fn(slice)`` returns the micro-batch's loss (scaled so that the micro-batches add up to the
         batch loss) and detached statistics; it announces its own forward phases. The backward runs in
@@ -391,7 +424,7 @@ class RLMethod(HeldOutEvaluation, TextAndRewards, StandaloneStep, L.LightningMod
         """
         optimizer = self.optimizer()
         total, bad, stats = 0.0, None, []
-        for sl in self.micro_batches(n):
+        for sl in self.micro_batches(n, lengths):
             loss, micro_stats = loss_fn(sl)
             # decided together: under DDP a process that skipped its backward would leave the others waiting
             if not self.finite_everywhere(loss.detach()):

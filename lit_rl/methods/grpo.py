@@ -40,6 +40,7 @@ from lit_rl.memory.phases import BACKWARD, OPTIMIZER
 from lit_rl.memory.rollout import StepWork
 from lit_rl.methods.base import RLMethod
 from lit_rl.methods.evaluation import distinct_bigrams
+from lit_rl.methods.token_budget import group_order, reorder_rows, row_tokens
 from lit_rl.models import head_spec, sample_completions, trunk_hidden
 from lit_rl.models.shared_prompt import group_runs, shared_prompt_hidden, shared_prompt_unsupported
 from lit_rl.ops import TokenStats, token_stats
@@ -59,6 +60,19 @@ class Rollout:
     ref_logp: torch.Tensor | None = None  # [B, C]
     old_logp: torch.Tensor | None = None  # [B, C]
     completions: list[str] = field(default_factory=list)
+    row_tokens: list[int] | None = None  # prompt + completion tokens per row, with micro_batch_tokens only
+
+    def sort_by_length(self, group: int) -> None:
+        """The groups of ``group`` rows reordered longest first (:mod:`lit_rl.methods.token_budget`)."""
+        rows = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "prompt_length"}
+        for name, value in reorder_rows(rows, group_order(self.row_tokens, group)).items():
+            setattr(self, name, value)
+
+    def width(self, sl: slice) -> int:
+        """Completion columns micro-batch ``sl`` needs: to its longest completion with a token budget, else all."""
+        if self.row_tokens is None:
+            return self.completion_mask.shape[1]
+        return max(self.row_tokens[sl]) - self.prompt_length
 
     def to(self, device: torch.device) -> Rollout:
         for f in fields(self):
@@ -119,6 +133,7 @@ class RefCachedGRPO(RLMethod):
 
     phase_names: ClassVar[tuple[str, ...]] = ("rollout", "reference", "policy_forward", BACKWARD, OPTIMIZER)
     progress_bar_metrics: ClassVar[tuple[str, ...]] = ("reward/mean",)
+    uses_token_lengths: ClassVar[bool] = True  # update() gets the rows' token counts (micro_batch_tokens)
 
     def __init__(
         self,
@@ -276,6 +291,9 @@ class RefCachedGRPO(RLMethod):
             advantages=torch.zeros_like(rewards),
             completions=completions,
         )
+        if hp.micro_batch_tokens is not None:  # micro-batches by tokens: groups sorted, each pass cut to its longest
+            rollout.row_tokens = row_tokens(lengths, prompt_length, completion_ids.shape[1])
+            rollout.sort_by_length(hp.num_generations)
         return rollout, metrics
 
     def compute_advantages(self, rollout: Rollout) -> dict[str, float]:
@@ -392,19 +410,22 @@ class RefCachedGRPO(RLMethod):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs ``[B*G, C]`` (and per-token self-certainty) in micro-batches, without gradient."""
         logps, certainties = [], []
-        for sl in self.micro_batches(len(rollout)):
+        pad = rollout.completion_mask.shape[1]  # a micro-batch cut to its longest completion is padded back
+        for sl in self.micro_batches(len(rollout), rollout.row_tokens):
             stats = self._stats(model, rollout, sl, entropy=False, self_certainty=self_certainty)
-            logps.append(stats.logp)
-            certainties.append(stats.self_certainty)
+            logps.append(torch.nn.functional.pad(stats.logp, (0, pad - stats.logp.shape[1])))
+            if self_certainty:
+                certainties.append(torch.nn.functional.pad(stats.self_certainty, (0, pad - stats.logp.shape[1])))
         return torch.cat(logps), torch.cat(certainties) if self_certainty else None
 
     def _stats(self, model, rollout: Rollout, sl: slice, **kw) -> TokenStats:
         # rollout rows are groups of num_generations consecutive completions of one prompt
         runs = group_runs(sl.start, sl.stop, self.hparams.num_generations) if self.share_prompt else None
+        end = rollout.prompt_length + rollout.width(sl)
         return self.completion_stats(
             model,
-            rollout.input_ids[sl],
-            rollout.attention_mask[sl],
+            rollout.input_ids[sl, :end],
+            rollout.attention_mask[sl, :end],
             rollout.prompt_length,
             temperature=self.hparams.temperature,
             chunk_size=self.hparams.chunk_size,
@@ -417,7 +438,8 @@ class RefCachedGRPO(RLMethod):
         """Loss of one micro-batch, scaled so the micro-batches of a step add up to the batch loss."""
         settings = self.loss
         stats = self._stats(self.policy, rollout, sl, entropy=True)
-        mask = rollout.completion_mask[sl]  # [b, C]
+        width = rollout.width(sl)  # C, or this micro-batch's longest completion with a token budget
+        mask = rollout.completion_mask[sl, :width]  # [b, C]
         token_mask = None
         if settings.top_entropy_quantile < 1:
             # one threshold for every process, as TRL takes it (a boolean index: real runs only, never the estimator)
@@ -425,8 +447,8 @@ class RefCachedGRPO(RLMethod):
             token_mask = high_entropy_mask(stats.entropy, mask, settings.top_entropy_quantile, pooled=pooled)  # [b, C]
         loss, loss_stats = grpo_loss(
             stats.logp,
-            rollout.old_logp[sl] if rollout.old_logp is not None else None,
-            rollout.ref_logp[sl] if rollout.ref_logp is not None else None,
+            rollout.old_logp[sl, :width] if rollout.old_logp is not None else None,
+            rollout.ref_logp[sl, :width] if rollout.ref_logp is not None else None,
             rollout.advantages[sl],
             mask,
             settings=settings,
@@ -456,7 +478,7 @@ class RefCachedGRPO(RLMethod):
 
         step_stats: list[dict[str, float]] = []
         for _ in range(self.hparams.num_iterations):
-            metrics["loss"], stats = self.update(len(rollout), loss_fn)
+            metrics["loss"], stats = self.update(len(rollout), loss_fn, rollout.row_tokens)
             step_stats += stats
         for key in step_stats[0] if step_stats else []:
             metrics[key] = sum(s[key] for s in step_stats) / len(step_stats)

@@ -231,7 +231,8 @@ class GumbelTopK(RLMethod):
             return loss, {}
 
         metrics: dict[str, float] = {}
-        metrics["loss"], _ = self.update(n, loss_fn)
+        # a soft rollout's length is known only as it runs: a token budget takes every row at its longest
+        metrics["loss"], _ = self.update(n, loss_fn, [prompt_ids.shape[1] + hp.max_new_tokens] * n)
         rewards = torch.cat([r for r, _ in parts])  # [B*G]
         mask = torch.cat([r.mask for _, r in parts])  # [B*G, C]
         tokens = torch.cat([r.tokens for _, r in parts])  # [B*G, C]

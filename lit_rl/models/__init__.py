@@ -35,6 +35,7 @@ from lit_rl.models.loading import (
     resolve_dtype,
     resolve_source,
 )
+from lit_rl.models.optimizers import build_optimizer
 from lit_rl.models.reward import (
     forward_soft_embeds,
     forward_soft_sparse,
@@ -55,6 +56,7 @@ __all__ = [
     "base_model",
     "build_from_config",
     "build_on_meta",
+    "build_optimizer",
     "cache_dir",
     "cache_keyword",
     "cache_kwargs",

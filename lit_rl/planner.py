@@ -1,0 +1,361 @@
+"""The memory planner: the fastest setting of the memory tactics whose predicted step peak fits a budget.
+
+``lit-rl estimate --config C --device-memory X --plan plan.yaml [--allow NAMES | --allow all]``
+
+Each candidate is the config with some tactics turned on, predicted by the estimator (the method's own step on
+fake tensors, :mod:`lit_rl.memory.estimate`) and timed by the roofline (:mod:`lit_rl.memory.roofline`: the step's
+floor at the machine's measured rates, or a rates file's). The tactics:
+
+- kept arithmetic (always searched): smaller update micro-batches, as a token budget (``micro_batch_tokens`` =
+  rows x the longest row, so short completions still share a pass) for the methods that pass their rows' lengths,
+  else as ``micro_batch_size``; activation checkpointing of every k-th decoder layer (the largest k that fits, as
+  :func:`~lit_rl.memory.fit.choose_checkpointing` finds it).
+- changed arithmetic (searched only when allowed, marked in the table): ``adamw8bit`` (bitsandbytes' 8-bit AdamW
+  moments), ``bf16`` (``trainer.precision: bf16-true``), ``nf4`` (a 4-bit frozen base; LoRA runs only).
+
+For every allowed combination of the changed-arithmetic tactics, micro-batches shrink by halves from the config's
+until one fits without checkpointing; each size that fits only with checkpointing is a candidate at its least
+checkpointing. The fastest candidate by the roofline's floor wins (where the roofline does not model the step, a
+4-bit base or a method whose phases it does not know, the fewest passes and least recompute win instead, and the
+table says so). The plan is written as a config fragment for ``lit-rl fit --config C --config plan.yaml``, headed
+by the config it was made for, which the fit checks (:func:`plan_header` / :func:`check_plan_files`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import logging
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from lit_rl.memory.estimate import Estimate, copy_method, estimate_step
+from lit_rl.memory.fit import checkpointed_layers, layer_count, least_checkpointing
+from lit_rl.memory.machine_rates import load_rates, measure_rates
+from lit_rl.memory.roofline import ModelShape, StepSettings, floor, phase_work
+from lit_rl.memory.units import format_bytes
+
+#: tactics that change the numbers a step computes, searched only when ``--allow`` names them
+CHANGES_ARITHMETIC = {
+    "adamw8bit": "AdamW moments in 8 bits (bitsandbytes), about a quarter of the optimizer state",
+    "bf16": "bf16 weights, gradients and activations (trainer.precision bf16-true)",
+    "nf4": "the frozen base in 4-bit NF4 (LoRA runs only)",
+}
+PLAN_MARK = "# lit-rl plan for "
+_MIXED = ("bf16-mixed", "16-mixed")
+
+
+@dataclass
+class Candidate:
+    """One setting of the tactics, its estimate and its predicted time."""
+
+    rows: int  # update micro-batch rows (every row at its longest)
+    every_n_layers: int  # activation checkpointing, 0 off
+    allowed: tuple[str, ...]  # changed-arithmetic tactics on
+    estimate: Estimate
+    seconds: float | None  # the roofline's step floor; None where it does not model the step
+    passes: float = 0.0  # micro-batches x (1 + checkpointed share): the order where seconds is None
+    overrides: dict[str, Any] = field(default_factory=dict)  # estimate_step keywords
+
+    @property
+    def peak(self) -> int:
+        return self.estimate.peak_bytes
+
+
+def plan(
+    module,
+    device_bytes: int,
+    *,
+    allow: tuple[str, ...] = (),
+    rates: dict[str, Any] | None = None,
+    progress: bool = False,
+    **settings: Any,
+) -> tuple[Candidate | None, list[Candidate], Candidate]:
+    """Search the tactics for the fastest candidate whose predicted peak is at most ``device_bytes``.
+
+    Args:
+        module: as for :func:`~lit_rl.memory.estimate.estimate_step`.
+        device_bytes: the budget for the step's tensor peak.
+        allow: names of :data:`CHANGES_ARITHMETIC` the search may turn on.
+        rates: machine rates (:func:`~lit_rl.memory.machine_rates.load_rates`); measured here (quick) if ``None``.
+        progress: print a line to stderr per candidate estimated (each is a run of the step on fake tensors).
+        **settings: the keyword arguments of ``estimate_step`` (the config's own).
+
+    Returns:
+        ``(the chosen candidate or None, every candidate estimated, the config as it is)``.
+
+    Raises:
+        ValueError: an unknown ``allow`` name, or ``nf4`` allowed without LoRA alone (it is then skipped, not
+            refused, when other names are allowed too).
+    """
+    unknown = sorted(set(allow) - set(CHANGES_ARITHMETIC))
+    if unknown:
+        raise ValueError(f"--allow: unknown tactic {unknown[0]!r}; use names of {sorted(CHANGES_ARITHMETIC)} or all")
+    if settings.get("activation_checkpointing"):
+        raise ValueError(
+            "--plan: the config already checkpoints activations; remove its ActivationCheckpointing callback and "
+            "let the plan choose every_n_layers"
+        )
+    rates = rates or measure_rates(quick=True)
+    base = _candidate(module, rates, settings, {}, ())
+    found: list[Candidate] = []
+
+    def add(candidate: Candidate) -> None:
+        found.append(candidate)
+        if progress:
+            print(f"  estimated {describe(candidate)}: {format_bytes(candidate.peak)}", file=sys.stderr, flush=True)
+
+    add(base)
+    choices = [name for name in CHANGES_ARITHMETIC if name in allow]
+    if "nf4" in choices and not module.uses_lora:
+        choices.remove("nf4")  # needs LoRA: a full fine-tuning config cannot use it
+    prompt_row = base.estimate.settings["sequence_length"]
+    for count in range(len(choices) + 1):
+        for combo in itertools.combinations(choices, count):
+            changes = _changes(combo, settings)
+            rows = start = base.estimate.settings["micro_batch_size"]
+            while rows >= 1:  # the config's micro-batch, then halves of it
+                overrides = {**changes, **(_micro_batch(module, rows, prompt_row) if rows < start else {})}
+                plain = _candidate(module, rates, settings, overrides, combo) if (combo or rows < start) else base
+                if plain is not base:
+                    add(plain)
+                if plain.peak <= device_bytes:
+                    break  # smaller micro-batches fit too, and are slower
+                every, known = least_checkpointing(module, device_bytes, {**settings, **overrides}, {0: plain.estimate})
+                if every:
+                    add(_candidate(module, rates, settings, overrides, combo, every, known[every]))
+                rows = rows // 2 if rows > 1 else 0
+    fitting = [c for c in found if c.peak <= device_bytes]
+    best = min(fitting, key=_order, default=None)
+    return best, found, base
+
+
+def _order(c: Candidate) -> tuple:
+    return (c.seconds is None, c.seconds if c.seconds is not None else c.passes, len(c.allowed))
+
+
+def _changes(combo: tuple[str, ...], settings: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if "adamw8bit" in combo:
+        out["optimizer"] = {"class_path": "bitsandbytes.optim.AdamW8bit", "init_args": {}}
+    if "bf16" in combo:
+        out["precision"] = "bf16-true"
+    if "nf4" in combo:
+        out["quantize_base"] = "nf4"
+    return out
+
+
+def _micro_batch(module, rows: int, row_tokens: int) -> dict[str, Any]:
+    """The micro-batch of ``rows`` rows at their longest: a token budget (rows x the longest row) where the method
+    passes its rows' lengths to the update (``uses_token_lengths``), so that short rows still share a pass; else a
+    row count."""
+    if getattr(type(module), "uses_token_lengths", False):
+        return {"micro_batch_tokens": rows * row_tokens, "micro_batch_size": None}
+    return {"micro_batch_size": rows}
+
+
+def _candidate(module, rates, settings, overrides, combo, every: int = 0, estimate: Estimate | None = None):
+    keywords = {**settings, **overrides, "activation_checkpointing": every}
+    estimate = estimate or estimate_step(module, **keywords)
+    s = estimate.settings
+    layers = layer_count(s["config"])
+    micro = math.ceil(s["batch"] / max(1, s["micro_batch_size"]))
+    passes = micro * (1 + checkpointed_layers(layers, every) / layers)
+    return Candidate(s["micro_batch_size"], every, combo, estimate, _floor_seconds(module, estimate, rates, overrides),
+                     passes, {k: v for k, v in keywords.items() if k in overrides or k == "activation_checkpointing"})  # fmt: skip
+
+
+def _floor_seconds(module, estimate: Estimate, rates: dict[str, Any], overrides: dict[str, Any]) -> float | None:
+    """The roofline's floor of the estimated step (every phase it models), or None where it does not model it."""
+    s = estimate.settings
+    if s.get("hparams", {}).get("quantize_base", "none") != "none" or overrides.get("quantize_base") == "nf4":
+        return None  # the 4-bit base's dequantization is not modelled
+    try:
+        shape = ModelShape.from_config(s["config"])
+    except ValueError:
+        return None
+    work = copy_method(module, {k: v for k, v in overrides.items() if k not in ("precision",)}).step_work()
+    method_phases = set(copy_method(module, {}).phases.names)
+    if not {"rollout", "reference", "policy_forward"} <= method_phases:
+        return None  # the roofline counts the GRPO family's phases only
+    half = s["precision"].split("-")[0] in ("bf16", "16")
+    weight_bytes = 2 if s["precision"] in ("bf16-true", "16-true") else 4
+    gradients = next((c.bytes for c in estimate.components if c.name == "gradients"), 0)
+    trainable = gradients // weight_bytes
+    step = StepSettings(
+        prompts=s["prompts"],
+        generations=s["num_generations"],
+        prompt_length=s["prompt_length"],
+        new_tokens=s["max_new_tokens"],
+        micro_batch=s["micro_batch_size"],
+        share_prompt=work.share_prompt,
+        adapters=trainable if work.adapters else 0,
+        trainable=trainable,
+        weight_bytes=weight_bytes,
+        cache_bytes=2 if half else 4,
+        reference_passes=int(work.reference_pass) + work.scoring_passes,
+        iterations=work.iterations,
+        checkpointed_layers=checkpointed_layers(shape.layers, s["activation_checkpointing"]),
+        clip=work.clip,
+    )
+    dtype = "bfloat16" if half else "float32"
+    values = rates["dtypes"].get(dtype) or next(iter(rates["dtypes"].values()))
+    args = (values["matmul_flops_per_s"], rates["bandwidth_bytes_per_s"], values["skinny_matmul_flops_per_s"])
+    return sum(floor(works, *args)["attainable_s"] for works in phase_work(shape, step).values())
+
+
+# ------------------------------------------------------------------------------------------------ the plan file
+
+
+def write_plan(
+    module,
+    settings: dict[str, Any],
+    device_bytes: int | None,
+    path: str,
+    *,
+    allow: str,
+    rates: str | None,
+    args: list[str],
+    configs: list[str],
+) -> Candidate:
+    """``lit-rl estimate ... --plan FILE``: search, print the table, write the fragment; nothing is written when no
+    plan fits. ``args`` are the estimate's fit arguments (repeated in the command printed), ``configs`` its
+    ``--config`` files (named in the plan's header).
+
+    Raises:
+        ValueError: one line: no ``--device-memory``, an unknown ``--allow`` name, or a budget no plan meets.
+    """
+    if device_bytes is None:
+        raise ValueError("--plan: needs --device-memory, the budget to plan for; e.g. --device-memory 2GiB")
+    allowed = tuple(CHANGES_ARITHMETIC) if allow == "all" else tuple(a for a in allow.split(",") if a)
+    quiet = logging.getLogger("lightning.pytorch.utilities.rank_zero")  # "policy ...: N parameters" per estimate
+    level, _ = quiet.level, quiet.setLevel(logging.WARNING)
+    try:
+        machine = load_rates(rates) if rates else None
+        best, found, base = plan(module, device_bytes, allow=allowed, rates=machine, progress=True, **settings)
+    finally:
+        quiet.setLevel(level)
+    print("\n" + plan_table(best, found, base, device_bytes))
+    if best is None:
+        raise ValueError(unreachable_line(found, device_bytes, allowed))
+    Path(path).write_text(plan_header(configs, device_bytes) + yaml.safe_dump(plan_fragment(best), sort_keys=False))
+    print(f"\nwrote {path}; apply it with: lit-rl fit {' '.join(args)} --config {path}")
+    return best
+
+
+def plan_fragment(best: Candidate) -> dict[str, Any]:
+    """The config fragment that applies ``best``'s tactics (YAML-ready)."""
+    o = best.overrides
+    model = {k: o[k] for k in ("micro_batch_tokens", "micro_batch_size", "quantize_base") if k in o}
+    fragment: dict[str, Any] = {"model": {"init_args": model}} if model else {}
+    if "optimizer" in o:
+        fragment["optimizer"] = {"class_path": o["optimizer"]["class_path"]}
+    trainer: dict[str, Any] = {}
+    if "precision" in o:
+        trainer["precision"] = o["precision"]
+    if best.every_n_layers:
+        trainer["callbacks+"] = [
+            {
+                "class_path": "lit_rl.callbacks.ActivationCheckpointing",
+                "init_args": {"every_n_layers": best.every_n_layers},
+            }
+        ]
+    if trainer:
+        fragment["trainer"] = trainer
+    return fragment
+
+
+def config_digest(path: str | Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
+
+
+def plan_header(configs: list[str], device_bytes: int) -> str:
+    """The plan file's first lines: the configs it was made for (with their digests) and the budget."""
+    made_for = " ".join(f"{c}@{config_digest(c)}" for c in configs)
+    return f"{PLAN_MARK}{made_for}\n# budget {format_bytes(device_bytes)}; apply: lit-rl fit --config ... --config <this file>\n"
+
+
+def check_plan_files(config_files: list[str]) -> None:
+    """Refuse a plan file (among ``--config`` files) made for other configs than the ones given with it.
+
+    Raises:
+        ValueError: one line naming the plan, the configs it was made for, and the fix.
+    """
+    for path in config_files:
+        first = Path(path).read_text().split("\n", 1)[0] if Path(path).is_file() else ""
+        if not first.startswith(PLAN_MARK):
+            continue
+        others = [c for c in config_files if c != path]
+        for entry in first.removeprefix(PLAN_MARK).split():
+            config, _, digest = entry.rpartition("@")
+            same = any(Path(c).resolve() == Path(config).resolve() for c in others if Path(config).exists())
+            if not same or config_digest(config) != digest:
+                raise ValueError(
+                    f"--config {path}: a plan made for {config} as it was then, not for "
+                    f"{' '.join(others) or 'no config'}; make one for this config: lit-rl estimate --config ... "
+                    "--device-memory X --plan FILE"
+                )
+
+
+def plan_table(best: Candidate | None, found: list[Candidate], base: Candidate, device_bytes: int) -> str:
+    """What the plan turns on, each candidate's peak and time against the config as it is."""
+    lines = [
+        f"plan for {format_bytes(device_bytes)} of tensors (predicted peak, roofline floor at this machine's rates):"
+    ]
+    lines.append(f"  {'tactics':<58} {'peak':>11} {'saved':>11} {'time':>8}  fits")
+
+    def time(c: Candidate) -> str:
+        if c.seconds is None or base.seconds is None:
+            return "n/m"
+        return f"{c.seconds / base.seconds:.2f}x"
+
+    for c in sorted(found, key=lambda c: (c.peak > device_bytes, _order(c))):
+        mark = "  <- plan" if c is best else ""
+        lines.append(
+            f"  {describe(c):<58} {format_bytes(c.peak):>11} {format_bytes(base.peak - c.peak):>11} {time(c):>8}  "
+            f"{'yes' if c.peak <= device_bytes else 'no'}{mark}"
+        )
+    lines.append("  * changes the arithmetic (allowed by --allow); n/m: time not modelled by the roofline")
+    return "\n".join(lines)
+
+
+def describe(c: Candidate) -> str:
+    parts = [f"{name}*" for name in c.allowed]
+    o = c.overrides
+    if "micro_batch_tokens" in o:
+        parts.append(f"micro_batch_tokens {o['micro_batch_tokens']} ({c.rows} row{'s' if c.rows != 1 else ''})")
+    elif "micro_batch_size" in o:
+        parts.append(f"micro_batch_size {o['micro_batch_size']}")
+    if c.every_n_layers:
+        parts.append(f"checkpoint every {c.every_n_layers}")
+    return ", ".join(parts) or "the config as it is"
+
+
+def unreachable_line(found: list[Candidate], device_bytes: int, allow: tuple[str, ...]) -> str:
+    """One line for a budget no candidate meets: the smallest peak reached and what it took."""
+    low = min(found, key=lambda c: c.peak)
+    more = sorted(set(CHANGES_ARITHMETIC) - set(allow))
+    hint = f"; --allow {','.join(more)} may go lower" if more else "; use fewer prompts per step or shorter sequences"
+    return (
+        f"--device-memory {format_bytes(device_bytes)}: no plan fits; the smallest predicted peak is "
+        f"{format_bytes(low.peak)} ({describe(low)}){hint}"
+    )
+
+
+__all__ = [
+    "CHANGES_ARITHMETIC",
+    "Candidate",
+    "check_plan_files",
+    "describe",
+    "plan",
+    "plan_fragment",
+    "plan_header",
+    "plan_table",
+    "unreachable_line",
+    "write_plan",
+]

@@ -1,0 +1,99 @@
+"""The run's optimizer from ``--optimizer``: built with the method's learning rate and decay, refused in one line when
+wrong, and charged by the estimator at its real state bytes (bitsandbytes' 8-bit AdamW against a real step)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from lit_rl.cli import main, parse_fit_config
+from lit_rl.memory.estimate import estimate_step
+from lit_rl.methods import RefCachedGRPO
+from lit_rl.models import build_optimizer
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "configs/grpo_tiny.yaml")
+# the tiny model's weights are all under bitsandbytes' default min_8bit_size (4096 values), which keep fp32 moments
+ADAMW8BIT = {"class_path": "bitsandbytes.optim.AdamW8bit", "init_args": {"min_8bit_size": 256}}
+
+
+def _params():
+    return [torch.nn.Parameter(torch.randn(64, 80)), torch.nn.Parameter(torch.randn(7))]
+
+
+def test_the_optimizer_gets_the_methods_learning_rate_and_weight_decay():
+    spec = {"class_path": "torch.optim.SGD", "init_args": {"momentum": 0.9}}
+    optimizer = build_optimizer(spec, _params(), lr=0.25, weight_decay=0.01)
+    assert isinstance(optimizer, torch.optim.SGD)
+    group = optimizer.param_groups[0]
+    assert (group["lr"], group["weight_decay"], group["momentum"]) == (0.25, 0.01, 0.9)
+
+
+@pytest.mark.parametrize(
+    ("spec", "weight_decay", "message"),
+    [
+        ({"class_path": "torch.optim.SGD", "init_args": {"lr": 0.1}}, 0.0, "optimizer.init_args.lr: the method sets"),
+        ({"class_path": "nope.Missing"}, 0.0, "optimizer.class_path: cannot import 'nope.Missing'"),
+        ({"class_path": "torch.nn.Linear"}, 0.0, "'torch.nn.Linear' is not a torch.optim.Optimizer subclass"),
+        ({"class_path": "torch.optim.Rprop"}, 0.1, "model.weight_decay: Rprop has no weight decay"),
+    ],
+)
+def test_a_wrong_optimizer_is_refused_in_one_line(spec, weight_decay, message):
+    with pytest.raises(ValueError, match=message) as err:
+        build_optimizer(spec, _params(), lr=1e-3, weight_decay=weight_decay)
+    assert "\n" not in str(err.value)
+
+
+def test_the_cli_passes_optimizer_to_the_method_and_saves_it_as_plain_data():
+    module, _, _ = parse_fit_config(["--config", TINY, "--optimizer", "bitsandbytes.optim.AdamW8bit",
+                                     "--optimizer.betas", "[0.9, 0.95]"])  # fmt: skip
+    spec = module.hparams.optimizer
+    assert spec["class_path"] == "bitsandbytes.optim.AdamW8bit"
+    assert list(spec["init_args"]["betas"]) == [0.9, 0.95] and "lr" not in spec["init_args"]
+    module.setup("fit")
+    module.configure_model()
+    optimizer = module.configure_optimizers()
+    assert type(optimizer).__name__ == "AdamW8bit"
+    assert optimizer.param_groups[0]["lr"] == module.hparams.learning_rate
+    plain, _, _ = parse_fit_config(["--config", TINY])
+    assert plain.hparams.optimizer is None  # no --optimizer: the fused AdamW of every method
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--optimizer", "torch.optim.SGD", "--optimizer.lr", "0.1"],
+         "optimizer.lr: the method sets it; use --model.init_args.learning_rate instead"),
+        (["--optimizer", "torch.nn.Linear"], "optimizer: 'torch.nn.Linear' is not a subclass of Optimizer"),
+        (["--optimizer", "nope.Missing"], "optimizer.class_path: cannot import 'nope.Missing'"),
+    ],
+)  # fmt: skip
+def test_the_cli_refuses_a_wrong_optimizer_in_one_line(args, message, capsys, tmp_path):
+    with pytest.raises(SystemExit) as exit_:
+        main(["fit", "--config", TINY, "--trainer.default_root_dir", str(tmp_path / "run"), *args])
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and err.startswith(f"error: {message}") and "\n" not in err
+    assert not (tmp_path / "run").exists()  # nothing written
+
+
+def test_the_estimate_charges_the_8bit_state_that_a_real_step_creates():
+    method = RefCachedGRPO(name_or_path="tiny:llama", num_generations=2, max_new_tokens=4)
+    adamw = estimate_step(method, batch_size=1, prompt_length=5)
+    eight = estimate_step(method, batch_size=1, prompt_length=5, optimizer=ADAMW8BIT)
+    row = next(c for c in eight.components if c.name.startswith("optimizer state"))
+    assert row.name == "optimizer state (AdamW8bit)" and "uint8" in row.shape
+    # the same method with real weights: its optimizer's state bytes after one step
+    real_method = RefCachedGRPO(name_or_path="tiny:llama", num_generations=2, max_new_tokens=4, optimizer=ADAMW8BIT)
+    real_method.setup("fit")
+    real_method.configure_model()
+    real = real_method.configure_optimizers()
+    for p in real_method.policy.parameters():
+        p.grad = torch.randn_like(p) if p.requires_grad else None
+    real.step()
+    state = [t for s in real.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    assert row.bytes == sum(t.untyped_storage().nbytes() for t in state)
+    fp32 = next(c for c in adamw.components if c.name.startswith("optimizer state"))
+    assert row.bytes < fp32.bytes / 2  # tensors under min_8bit_size keep fp32 moments, the rest 8 bits
+    assert eight.phases["optimizer"] < adamw.phases["optimizer"]

@@ -1,0 +1,131 @@
+"""The memory planner: the fastest fitting setting of the tactics, the plan file that applies it, and one-line refusals."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lit_rl.cli import estimate_from_args, main
+from lit_rl.methods import RefCachedGRPO
+from lit_rl.planner import describe, plan, plan_fragment, unreachable_line
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "configs/grpo_tiny.yaml")
+# fixed machine rates: the plan does not depend on this machine's load
+RATES = {
+    "dtypes": {
+        "float32": {"matmul_flops_per_s": 1e11, "skinny_matmul_flops_per_s": 2e10},
+        "bfloat16": {"matmul_flops_per_s": 2e11, "skinny_matmul_flops_per_s": 4e10},
+    },
+    "bandwidth_bytes_per_s": 2e10,
+}
+SHAPE = dict(batch_size=2, prompt_length=24)
+
+
+@pytest.fixture(scope="module")
+def method():
+    return RefCachedGRPO(name_or_path="tiny:llama", num_generations=4, max_new_tokens=16)
+
+
+@pytest.fixture(scope="module")
+def tight(method):
+    """A budget between the smallest peak the kept-arithmetic tactics reach and the config's own, and its plan."""
+    _, found, base = plan(method, 10**12, rates=RATES, **SHAPE)  # every candidate fits: only the config is tried
+    assert [c.overrides for c in found] == [{"activation_checkpointing": 0}]
+    budget = int(0.7 * base.peak)
+    return budget, plan(method, budget, rates=RATES, **SHAPE)
+
+
+def test_a_config_that_fits_is_kept_as_it_is(method):
+    best, found, base = plan(method, 10**12, rates=RATES, **SHAPE)
+    assert best is base and plan_fragment(best) == {} and describe(best) == "the config as it is"
+
+
+def test_the_plan_is_the_fastest_candidate_that_fits(tight):
+    budget, (best, found, base) = tight
+    assert base.peak > budget and best is not None and best.peak <= budget
+    fitting = [c for c in found if c.peak <= budget]
+    assert all(best.seconds <= c.seconds for c in fitting)
+    assert any(c.peak > budget for c in found)  # the search saw candidates that do not fit
+    assert not best.allowed and all(not c.allowed for c in found)  # nothing changes the arithmetic unless allowed
+    assert "micro_batch_tokens" in best.overrides or best.every_n_layers  # a smaller micro-batch or checkpointing
+
+
+@pytest.mark.slow  # a second search with the 8-bit optimizer
+def test_changed_arithmetic_only_when_allowed(method, tight):
+    budget, _ = tight
+    _, found, _ = plan(method, budget, allow=("adamw8bit",), rates=RATES, **SHAPE)
+    assert {c.allowed for c in found} == {(), ("adamw8bit",)}
+    eight = next(c for c in found if c.allowed)
+    assert plan_fragment(eight)["optimizer"] == {"class_path": "bitsandbytes.optim.AdamW8bit"}
+    assert describe(eight).startswith("adamw8bit*")
+
+
+@pytest.mark.slow  # every candidate is estimated
+def test_an_unreachable_budget_names_the_smallest_peak(method):
+    best, found, _ = plan(method, 1024, rates=RATES, **SHAPE)
+    assert best is None
+    line = unreachable_line(found, 1024, ())
+    low = min(c.peak for c in found)
+    assert "no plan fits; the smallest predicted peak is" in line and "--allow adamw8bit,bf16,nf4" in line
+    assert all(c.peak >= low for c in found) and "\n" not in line
+
+
+def _estimate_peak(args: list[str]) -> int:
+    estimate, _, _ = estimate_from_args(args)
+    return estimate.peak_bytes
+
+
+@pytest.mark.slow  # a plan and two estimates through the CLI
+def test_the_written_plan_applies_and_meets_its_budget(tmp_path, capsys):
+    base = _estimate_peak(["--config", TINY])
+    budget = int(0.6 * base)
+    plan_file = tmp_path / "plan.yaml"
+    main(["estimate", "--config", TINY, "--device-memory", str(budget), "--plan", str(plan_file)])
+    out = capsys.readouterr().out
+    assert "<- plan" in out and f"wrote {plan_file}" in out
+    text = plan_file.read_text()
+    assert text.startswith(f"# lit-rl plan for {TINY}@")
+    fragment = yaml.safe_load(text)
+    assert fragment and set(fragment) <= {"model", "trainer", "optimizer"}
+    assert _estimate_peak(["--config", TINY, "--config", str(plan_file)]) <= budget < base
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        pytest.param(["--device-memory", "1KiB"], "--device-memory 1.00 KiB: no plan fits; the smallest predicted peak",
+                     marks=pytest.mark.slow),  # every candidate is estimated
+        ([], "--plan: needs --device-memory"),
+        (["--device-memory", "1GiB", "--allow", "fp8"], "--allow: unknown tactic 'fp8'"),
+    ],
+)
+def test_a_plan_that_cannot_be_made_is_one_line_and_writes_nothing(args, message, tmp_path, capsys):
+    plan_file = tmp_path / "plan.yaml"
+    with pytest.raises(SystemExit) as exit_:
+        main(["estimate", "--config", TINY, "--plan", str(plan_file), *args])
+    err = capsys.readouterr().err.strip().splitlines()  # start-up and progress lines ("estimated ..."), the error last
+    assert exit_.value.code == 2 and err[-1].startswith(f"error: {message}")
+    assert not plan_file.exists()
+
+
+def test_a_plan_file_made_for_another_config_is_refused(tmp_path, capsys):
+    config = tmp_path / "mine.yaml"
+    config.write_text(Path(TINY).read_text())
+    plan_file = tmp_path / "plan.yaml"
+    main(["estimate", "--config", str(config), "--device-memory", "1GiB", "--plan", str(plan_file)])
+    capsys.readouterr()
+    other = str(ROOT / "configs/intuitor_tiny.yaml")
+    for configs in ([other], []):
+        with pytest.raises(SystemExit) as exit_:
+            main(["fit", *[a for c in configs for a in ("--config", c)], "--config", str(plan_file),
+                  "--trainer.default_root_dir", str(tmp_path / "run")])  # fmt: skip
+        err = capsys.readouterr().err.strip()
+        assert exit_.value.code == 2 and err.startswith(f"error: --config {plan_file}: a plan made for {config}")
+    config.write_text(Path(TINY).read_text() + "\n# edited\n")  # the same file, changed since the plan
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", str(config), "--config", str(plan_file)])
+    assert "as it was then" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
