@@ -114,10 +114,14 @@ class LitRLCLI(LightningCLI):
         return trainer
 
     def before_fit(self) -> None:
-        """Checks that need the method and the data together, before the run writes anything."""
+        """Checks that need the method, the data and the Trainer together, before the run writes anything."""
         prompt_length = getattr(self.datamodule, "hparams", {}).get("max_prompt_length")
         if prompt_length is not None and hasattr(self.model, "check_micro_batch_tokens"):
             self.model.check_micro_batch_tokens(int(prompt_length))
+        for callback in self.trainer.callbacks:  # a callback that cannot work on this device says so now
+            check = getattr(callback, "check_trainer", None)
+            if callable(check):
+                check(self.trainer)
 
     def before_instantiate_classes(self) -> None:
         # checked before any model is loaded or any log folder is made, so a typo costs nothing

@@ -3,6 +3,7 @@
 saves with (``trainer.plugins``)."""
 
 from lit_rl.callbacks.activation_checkpointing import ActivationCheckpointing
+from lit_rl.callbacks.activation_offloading import ActivationOffloading
 from lit_rl.callbacks.checkpoint_io import StreamingCheckpointIO
 from lit_rl.callbacks.empty_cache import EmptyCache
 from lit_rl.callbacks.memory_profiler import MemoryProfiler
@@ -12,6 +13,7 @@ from lit_rl.callbacks.run_log import RunLog
 
 __all__ = [
     "ActivationCheckpointing",
+    "ActivationOffloading",
     "EmptyCache",
     "MemoryProfiler",
     "OOMReport",

@@ -73,6 +73,7 @@ from lit_rl.memory.shapes import BUILTIN_SHAPES, config_resolver, model_config_f
 from lit_rl.memory.tracker import TensorMemoryTracker
 from lit_rl.memory.units import GIB, MIB, format_bytes, parse_bytes
 from lit_rl.models import base_model, build_on_meta, enable_activation_checkpointing
+from lit_rl.models.offload import OffloadSavedTensors
 
 # ------------------------------------------------------------------------------------------------ results
 
@@ -92,6 +93,7 @@ def estimate_step(
     padded: bool | None = None,
     device_type: str = "cpu",
     full_decode: bool = False,
+    offload_activations: int | None = None,
     **overrides: Any,
 ) -> Estimate:
     """Predict the per-phase peak memory of one training step of ``module``, without loading weights.
@@ -115,6 +117,8 @@ def estimate_step(
         device_type: ``cpu`` or ``cuda``: which AdamW implementation to mirror when it is not fused (per tensor /
             ``foreach``).
         full_decode: run every decode step of ``generate`` (see :mod:`lit_rl.memory.fake`).
+        offload_activations: the update's saved activations of at least this many bytes leave the device
+            (:class:`~lit_rl.callbacks.ActivationOffloading`'s ``min_bytes``): only what stays is counted; ``None``: off.
         **overrides: hyper-parameters to change (``micro_batch_size=4``, ``lora=LoraSettings()``, ...).
 
     Returns:
@@ -158,6 +162,9 @@ def estimate_step(
             for group in optimizer.param_groups:
                 group["foreach"] = not group.get("fused")
         method.attach_optimizer(optimizer)
+        if offload_activations is not None:  # the run's hooks, holding no copy: what leaves the device is not counted
+            hooks = OffloadSavedTensors(method.policy, "meta", min_bytes=offload_activations)
+            method.update_forward = lambda: hooks
         method.policy.generate = fake_generate(
             method.policy, record, padded=padded, full_decode=full_decode, own_decode=method.own_decode
         )
@@ -181,6 +188,7 @@ def estimate_step(
         # the first micro-batch is the largest; with a token budget, every row at its longest
         micro_batch_size=method.micro_batches(batch, [prompt_length + shape.max_new_tokens] * batch)[0].stop,
         activation_checkpointing=activation_checkpointing,
+        offload_activations=offload_activations,
         optimizer=run.optimizer_name,
         padded=padded,
         config=config,

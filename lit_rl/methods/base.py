@@ -26,7 +26,7 @@ from __future__ import annotations
 import copy
 import warnings
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any, ClassVar, Literal
 
 import lightning as L
@@ -136,10 +136,8 @@ class RLMethod(HeldOutEvaluation, TextAndRewards, StandaloneStep, L.LightningMod
         max_grad_norm: gradient clipping by global norm; 0 disables it.
         micro_batch_size: sequences per forward/backward in the update; ``null`` does the whole batch at
             once. Smaller means a lower activation peak, at more passes per step.
-        micro_batch_tokens: a token budget per micro-batch, beside ``micro_batch_size``: ``rows x the longest
-            row`` (prompt + completion, padding included) stays within it, so a late long completion gets a pass
-            of its own (:mod:`lit_rl.methods.token_budget`). ``null``: rows only. At least
-            ``data.max_prompt_length + max_new_tokens``, checked before the run starts.
+        micro_batch_tokens: a token budget per micro-batch beside ``micro_batch_size`` (rows x the longest row,
+            padding included; at least ``data.max_prompt_length + max_new_tokens``): :mod:`lit_rl.methods.token_budget`.
         max_nonfinite_steps: stop the run after this many non-finite losses or gradients in a row (each skips
             its update); the message names the step and the last finite step's metrics.
         metric_funcs: reward-shaped functions (import paths) that are logged as ``metric/<name>/mean``,
@@ -226,6 +224,8 @@ class RLMethod(HeldOutEvaluation, TextAndRewards, StandaloneStep, L.LightningMod
         #: shapes of the latest step that set its memory (``prompt_length``, ``new_tokens``: the longest completion)
         self.step_shape: dict[str, int] = {}
         self.own_decode: str | bool = False  # False (generate), "own" or "compiled", decided when the policy loads
+        #: the context each update micro-batch's forward runs in (ActivationOffloading sets saved-tensor hooks)
+        self.update_forward: Callable[[], Any] = nullcontext
 
     # ------------------------------------------------------------------ what a subclass provides
     @property
@@ -390,9 +390,8 @@ class RLMethod(HeldOutEvaluation, TextAndRewards, StandaloneStep, L.LightningMod
                 self.log(key.split("/")[0], logged[key], prog_bar=True, logger=False, batch_size=batch_size)
 
     def micro_batches(self, n: int, lengths: list[int] | None = None) -> list[slice]:
-        """Consecutive slices of ``n`` sequences: at most ``micro_batch_size`` rows each and, when
-        ``micro_batch_tokens`` is set and the rows' token ``lengths`` are given, at most that many tokens counted
-        as rows x the slice's longest row (:func:`lit_rl.methods.token_budget.budget_slices`)."""
+        """Consecutive slices of ``n`` sequences of at most ``micro_batch_size`` rows and, with the rows' token
+        ``lengths``, ``micro_batch_tokens`` (:func:`lit_rl.methods.token_budget.budget_slices`)."""
         size, budget = self.hparams.micro_batch_size or n, self.hparams.get("micro_batch_tokens")
         if budget is None or lengths is None:
             return [slice(i, min(i + size, n)) for i in range(0, n, size)]
@@ -425,7 +424,8 @@ class RLMethod(HeldOutEvaluation, TextAndRewards, StandaloneStep, L.LightningMod
         optimizer = self.optimizer()
         total, bad, stats = 0.0, None, []
         for sl in self.micro_batches(n, lengths):
-            loss, micro_stats = loss_fn(sl)
+            with self.update_forward():
+                loss, micro_stats = loss_fn(sl)
             # decided together: under DDP a process that skipped its backward would leave the others waiting
             if not self.finite_everywhere(loss.detach()):
                 bad = "loss"
