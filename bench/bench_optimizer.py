@@ -21,7 +21,6 @@ import importlib
 import json
 import statistics
 import time
-from pathlib import Path
 
 import harness
 import torch

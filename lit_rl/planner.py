@@ -11,7 +11,8 @@ floor at the machine's measured rates, or a rates file's). The tactics:
   else as ``micro_batch_size``; activation checkpointing of every k-th decoder layer (the largest k that fits, as
   :func:`~lit_rl.memory.fit.choose_checkpointing` finds it).
 - changed arithmetic (searched only when allowed, marked in the table): ``adamw8bit`` (bitsandbytes' 8-bit AdamW
-  moments), ``bf16`` (``trainer.precision: bf16-true``), ``nf4`` (a 4-bit frozen base; LoRA runs only).
+  moments), ``bf16`` (``trainer.precision: bf16-true``), ``nf4`` (a 4-bit frozen base; LoRA runs only),
+  ``reference_bf16`` (the full fine-tuning reference copy in bfloat16).
 
 For every allowed combination of the changed-arithmetic tactics, micro-batches shrink by halves from the config's
 until one fits without checkpointing; each size that fits only with checkpointing is a candidate at its least
@@ -45,6 +46,7 @@ CHANGES_ARITHMETIC = {
     "adamw8bit": "AdamW moments in 8 bits (bitsandbytes), about a quarter of the optimizer state",
     "bf16": "bf16 weights, gradients and activations (trainer.precision bf16-true)",
     "nf4": "the frozen base in 4-bit NF4 (LoRA runs only)",
+    "reference_bf16": "the full fine-tuning reference copy in bfloat16 (full fine-tuning with a KL term only)",
 }
 PLAN_MARK = "# lit-rl plan for "
 _MIXED = ("bf16-mixed", "16-mixed")
@@ -114,6 +116,8 @@ def plan(
     choices = [name for name in CHANGES_ARITHMETIC if name in allow]
     if "nf4" in choices and not module.uses_lora:
         choices.remove("nf4")  # needs LoRA: a full fine-tuning config cannot use it
+    if "reference_bf16" in choices and (module.uses_lora or not module.needs_reference):
+        choices.remove("reference_bf16")  # LoRA's reference is the base itself: there is no copy
     prompt_row = base.estimate.settings["sequence_length"]
     for count in range(len(choices) + 1):
         for combo in itertools.combinations(choices, count):
@@ -147,6 +151,8 @@ def _changes(combo: tuple[str, ...], settings: dict[str, Any]) -> dict[str, Any]
         out["precision"] = "bf16-true"
     if "nf4" in combo:
         out["quantize_base"] = "nf4"
+    if "reference_bf16" in combo:
+        out["reference_dtype"] = "bfloat16"
     return out
 
 
@@ -251,7 +257,7 @@ def write_plan(
 def plan_fragment(best: Candidate) -> dict[str, Any]:
     """The config fragment that applies ``best``'s tactics (YAML-ready)."""
     o = best.overrides
-    model = {k: o[k] for k in ("micro_batch_tokens", "micro_batch_size", "quantize_base") if k in o}
+    model = {k: o[k] for k in ("micro_batch_tokens", "micro_batch_size", "quantize_base", "reference_dtype") if k in o}
     fragment: dict[str, Any] = {"model": {"init_args": model}} if model else {}
     if "optimizer" in o:
         fragment["optimizer"] = {"class_path": o["optimizer"]["class_path"]}

@@ -148,6 +148,8 @@ class RLMethod(HeldOutEvaluation, TextAndRewards, StandaloneStep, L.LightningMod
             any LightningCLI program; ``bitsandbytes.optim.AdamW8bit`` keeps AdamW's moments in 8 bits); ``null``:
             fused AdamW. It gets ``learning_rate`` and ``weight_decay`` from the options above. See
             :func:`lit_rl.models.optimizers.build_optimizer`.
+        reference_dtype: the full fine-tuning reference copy's dtype: ``bfloat16`` halves a float32 copy's bytes, at
+            a small error in the KL term (``bench/results/reference_dtype.md``); ``same``: the policy's.
         decode: ``own``: rollouts and held-out completions from :func:`lit_rl.models.decode.decode` (a preallocated
             KV cache, the same tokens as ``generate``) where the model passes its load-time check, else ``generate``
             with the reason said once; ``compiled``: that loop with its one-token step through ``torch.compile``
@@ -159,8 +161,7 @@ class RLMethod(HeldOutEvaluation, TextAndRewards, StandaloneStep, L.LightningMod
     frozen_modules: ClassVar[tuple[str, ...]] = ("reference",)
     #: metric keys shown on the progress bar (``reward/mean`` as ``reward``)
     progress_bar_metrics: ClassVar[tuple[str, ...]] = ()
-    #: whether the step passes its rows' real token counts to :meth:`update` (a token budget then packs short rows
-    #: together; the memory planner states micro-batches as ``micro_batch_tokens`` for such a method)
+    #: whether the step passes its rows' token counts to :meth:`update` (then the planner sets micro_batch_tokens)
     uses_token_lengths: ClassVar[bool] = False
 
     def __init__(
@@ -182,6 +183,7 @@ class RLMethod(HeldOutEvaluation, TextAndRewards, StandaloneStep, L.LightningMod
         evaluation: EvalSettings | None = None,
         decode: Literal["own", "compiled", "generate"] = "own",
         optimizer: dict[str, Any] | None = None,
+        reference_dtype: Literal["same", "bfloat16", "float16"] = "same",
     ) -> None:
         super().__init__()
         self.save_hyperparameters()  # collects the arguments of every __init__ in the chain
@@ -304,10 +306,9 @@ class RLMethod(HeldOutEvaluation, TextAndRewards, StandaloneStep, L.LightningMod
         return self._model_kwargs["lora"] is not None
 
     def frozen_copy(self) -> torch.nn.Module:
-        """A frozen, eval-mode copy of the policy (the full fine-tuning reference)."""
-        ref = copy.deepcopy(self.policy).eval()
-        ref.requires_grad_(False)
-        return ref
+        """A frozen, eval-mode copy of the policy (the full fine-tuning reference), in ``reference_dtype``."""
+        ref, dtype = copy.deepcopy(self.policy).eval().requires_grad_(False), self.hparams.reference_dtype
+        return ref if dtype == "same" else ref.to(getattr(torch, dtype))
 
     @contextmanager
     def as_reference(self) -> Iterator[torch.nn.Module]:
@@ -398,8 +399,7 @@ class RLMethod(HeldOutEvaluation, TextAndRewards, StandaloneStep, L.LightningMod
         return budget_slices(lengths, size, budget)
 
     def check_micro_batch_tokens(self, prompt_length: int) -> None:
-        """Refuse (``ValueError``, one line) a token budget below one prompt of ``prompt_length`` tokens plus one
-        full completion."""
+        """Refuse (one line) a token budget below one prompt of ``prompt_length`` tokens plus one completion."""
         check_budget(self.hparams.get("micro_batch_tokens"), prompt_length, self.rollout_shape())
 
     def update(
