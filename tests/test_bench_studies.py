@@ -48,7 +48,10 @@ def test_every_study_parses_and_names_known_cells():
         study = yaml.safe_load((ROOT / "bench" / "studies" / f"{name}.yaml").read_text())
         assert {"title", "config", "arms", "columns", "quick"} <= study.keys(), name
         assert set(study["quick"].get("arms", study["arms"])) <= set(study["arms"]), name
-        assert study["quick"]["config"].endswith("_tiny.yaml"), name
+        # quick mode trains a tiny random model: a tiny config, or the study's configs on tiny:llama
+        quick = study["quick"]
+        tiny = "tiny:llama" in [*quick.get("base", []), *quick.get("overrides", [])]
+        assert quick.get("config", "").endswith("_tiny.yaml") or tiny, name
 
 
 def _checkpointing(column: dict[str, tuple[str, ...]], arms: list[str]) -> None:
@@ -63,7 +66,13 @@ def _checkpointing(column: dict[str, tuple[str, ...]], arms: list[str]) -> None:
     assert all(float(s) > 0 for s in column["step (s)"]) and set(column["steps timed"]) == {"1"}, column
 
 
-CHECKS = {"checkpointing": _checkpointing}  # a study's own assertions on its quick table, by column
+def _roofline(column: dict[str, tuple[str, ...]], arms: list[str]) -> None:
+    """Each run's phases sum to a measured step with a floor below it."""
+    assert arms == ["default", "lora256"]
+    assert all(float(s) > float(f) > 0 for s, f in zip(column["measured step s"], column["floor s"])), column
+
+
+CHECKS = {"checkpointing": _checkpointing, "roofline": _roofline}  # a study's own assertions on its quick table
 
 
 @pytest.mark.bench
@@ -84,16 +93,18 @@ def test_quick_run_writes_the_columns_and_a_row_per_arm(name, tmp_path):
     columns = [c for c in study["columns"] if not c.get("optional") or c["header"] in headers]
     expected = [c["header"].split("{")[0] for c in columns]
     assert len(headers) == len(expected) and all(h.startswith(e) for h, e in zip(headers, expected)), headers
-    arms = study["quick"].get("arms", list(study["arms"]))
-    in_sections = [a for a in arms if isinstance(study["arms"][a], dict) and study["arms"][a].get("section")]
-    assert [r[0] for r in rows] == [a for a in arms if a not in in_sections]
-    for arm in in_sections:
-        section = text.split(f"## {study['arms'][arm]['section']}", 1)[1]
-        assert [r[0] for r in _first_table(section)[1]] == [arm]
+    arms = list(study["quick"].get("arms", study["arms"]))
+    specs = {a: study["arms"][a] if isinstance(study["arms"][a], dict) else {} for a in arms}
+    tabulated = [a for a in arms if specs[a].get("tabulate", True)]  # the others are run for the hook to read
+    in_sections = [a for a in tabulated if specs[a].get("section")]
+    assert [r[0] for r in rows] == [a for a in tabulated if a not in in_sections]
+    for section in dict.fromkeys(specs[a]["section"] for a in in_sections):
+        after = text.split(f"## {section}", 1)[1]
+        assert [r[0] for r in _first_table(after)[1]] == [a for a in in_sections if specs[a]["section"] == section]
     required = set(study.get("read", {}).get("required", []))
     for column, i in ((c, i) for i, c in enumerate(columns) if isinstance(c["cell"], dict)):
         kind, key = next(iter(column["cell"].items()))
-        if kind in ("window", "series") and key in required:
+        if kind in ("window", "series") and key in required:  # a tabulated arm logged what the study requires
             assert all(r[i] not in ("", column.get("missing", "-")) for r in rows), (column["header"], rows)
 
     committed = ROOT / "bench" / "results" / filename
@@ -104,12 +115,19 @@ def test_quick_run_writes_the_columns_and_a_row_per_arm(name, tmp_path):
         )
 
     # every arm's overrides reached its run (the config Lightning saved beside its logs)
+    quick = study["quick"]
     for arm in arms:
         saved = yaml.safe_load(next((out / arm).rglob("config.yaml")).read_text())
         spec = study["arms"][arm]
         overrides = spec.get("overrides", []) if isinstance(spec, dict) else spec
+        later = [
+            *quick.get("overrides", []),
+            *(quick["arms"].get(arm) or [] if isinstance(quick.get("arms"), dict) else []),
+        ]
         for flag, value in zip(overrides[::2], overrides[1::2]):
-            if flag == "--config":  # a config fragment: what it sets is in the saved config, not its name
+            if (
+                flag == "--config" or flag in later[::2]
+            ):  # a fragment (its name is not saved), or set again in quick mode
                 continue
             node = saved
             for part in flag.removeprefix("--").split("."):
