@@ -35,6 +35,7 @@ from lit_rl.models.loading import (
     resolve_dtype,
     resolve_source,
 )
+from lit_rl.models.quantize import nf4_memory, quantize_base_nf4
 from lit_rl.models.reward import (
     forward_soft_embeds,
     forward_soft_sparse,
@@ -72,7 +73,9 @@ __all__ = [
     "load_reward_model",
     "load_tokenizer",
     "meta_config",
+    "nf4_memory",
     "output_cache",
+    "quantize_base_nf4",
     "resolve_dtype",
     "resolve_source",
     "sample_completions",
