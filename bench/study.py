@@ -13,8 +13,8 @@ The YAML file holds everything that differs between studies:
   ``Arm.spec``), ``quick`` (``config``, ``base``, ``overrides`` added to every arm, ``arms``: a list of names or
   ``{name: [overrides added to that arm]}``: a tiny smoke test); ``{results}`` in an override is the results
   folder (relative to the repository root when inside it), for a file a hook's ``before`` writes there;
-- ``read`` (``required`` and ``optional`` scalar keys), ``eval_key`` (the held-out metric whose evaluation steps
-  ``{eval_steps}`` in a column header names);
+- ``read`` (``required``: of every tabulated arm, and ``optional`` scalar keys), ``eval_key`` (the held-out metric
+  whose evaluation steps ``{eval_steps}`` in a column header names);
 - ``columns``: ``header``, ``align`` (``right`` for numbers) and ``cell``, one of ``arm``, ``overrides`` (the
   arm's; ``{overrides: with_base}``: the base's too),
   ``{window: key, size: N}`` (first and last N values' means), ``{series: key}`` (every value), ``{last: key or
@@ -225,7 +225,8 @@ def main(argv: list[str] | None = None) -> str:
         if not args.keep_checkpoints:  # weights and optimizer state: nothing in a table reads them
             for ckpt in (out / name).rglob("*.ckpt"):
                 ckpt.unlink()
-        series = harness.read_scalars(str(run), keys.get("required", []))
+        # an arm with no row (run for the hook) need not log what the table requires
+        series = harness.read_scalars(str(run), keys.get("required", []), optional=not spec.get("tabulate", True))
         series.update(harness.read_scalars(str(run), keys.get("optional", []), optional=True))
         arms.append(
             Arm(
