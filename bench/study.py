@@ -228,20 +228,7 @@ def main(argv: list[str] | None = None) -> str:
         # an arm with no row (run for the hook) need not log what the table requires
         series = harness.read_scalars(str(run), keys.get("required", []), optional=not spec.get("tabulate", True))
         series.update(harness.read_scalars(str(run), keys.get("optional", []), optional=True))
-        arms.append(
-            Arm(
-                name,
-                overrides,
-                arm_base,
-                record,
-                series,
-                run,
-                section=spec.get("section"),
-                spec=spec,
-                config=arm_config,
-                args=extra,
-            )
-        )
+        arms.append(Arm(name, overrides, arm_base, record, series, run, spec.get("section"), spec, arm_config, extra))
         print(f"[{i + 1}/{len(names)}] {name}: {record['wall']:.0f} s", file=sys.stderr, flush=True)
     for arm in arms:
         arm.others = {a.name: a for a in arms}
