@@ -246,6 +246,12 @@ def mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
+def relative(path: Path) -> str:
+    """``path`` relative to the repository root when it is inside it, so a command in a results file copies."""
+    path = Path(path).resolve()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
 def shown(overrides: list[str]) -> str:
     """``--model.init_args.key value`` pairs as ``key=value``, for a table."""
     pairs = zip(overrides[::2], overrides[1::2])

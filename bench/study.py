@@ -7,20 +7,27 @@ The YAML file holds everything that differs between studies:
 - ``title``, ``results`` (the file written in ``--results``, default ``<study>.md``), ``description`` (the paragraph
   under the header; ``{config}`` and the study's other top-level scalars are filled in);
 - ``config``, ``base`` (overrides every arm starts from), ``threads`` (CPU threads per run), ``arms``
-  (``name: [overrides]``, or ``name: {overrides: [...], base: false, section: <heading>}`` for an arm that runs
-  without the base, tabulated under a heading of its own), ``quick`` (``config``, ``base``, ``overrides`` added
-  to every arm, ``arms``: a tiny smoke test);
-- ``read`` (``required`` and ``optional`` scalar keys), ``eval_key`` (the held-out metric whose evaluation steps
-  ``{eval_steps}`` in a column header names);
+  (``name: [overrides]``, or ``name: {overrides: [...], config: <its own>, base: false, section: <heading>,
+  tabulate: false}`` for an arm with a config of its own, one that runs without the base, one tabulated under a
+  heading of its own, one run for the hook to read and given no row; other keys are the hook's, in
+  ``Arm.spec``), ``quick`` (``config``, ``base``, ``overrides`` added to every arm, ``arms``: a list of names or
+  ``{name: [overrides added to that arm]}``: a tiny smoke test); ``{results}`` in an override is the results
+  folder (relative to the repository root when inside it), for a file a hook's ``before`` writes there;
+- ``read`` (``required``: of every tabulated arm, and ``optional`` scalar keys), ``eval_key`` (the held-out metric
+  whose evaluation steps ``{eval_steps}`` in a column header names);
 - ``columns``: ``header``, ``align`` (``right`` for numbers) and ``cell``, one of ``arm``, ``overrides`` (the
   arm's; ``{overrides: with_base}``: the base's too),
   ``{window: key, size: N}`` (first and last N values' means), ``{series: key}`` (every value), ``{last: key or
-  [keys]}`` (the first key's last value that the run logged), ``{record: wall | peak_rss_mib}`` (the measured
-  child), ``{hook: name}``; with ``format`` (a Python format spec), ``missing`` (the cell when absent) and
-  ``optional: true`` (the column is left out when no arm has a value for it);
+  [keys]}`` (the first key's last value that the run logged), ``{record: wall | peak_rss_mib | load}`` (the
+  measured child; ``load``: the 1-minute load average before and after it), ``{hook: name}``; with ``format`` (a
+  Python format spec), ``missing`` (the cell when absent) and ``optional: true`` (the column is left out when no arm
+  has a value for it);
 - ``hook`` (optional): a module in ``bench/study_hooks/`` for what data cannot say (a derived column, a plot), with
-  ``cells`` (``{name: function(arm) -> str}``) and ``after(study, arms, results_dir) -> list[str]`` (lines added
-  to the results file, files written beside it). A study never imports another study.
+  ``cells`` (``{name: function(arm) -> str}``), ``before(study, results_dir)`` (run before the arms, not with
+  ``--reuse``: what the arms read, such as a rates file) and ``after(study, arms, results_dir) -> list[str]`` (lines
+  added to the results file, files written beside it; a hook's own measurements, saved under ``study["runtime"].out``
+  so that ``--reuse`` reads them again). ``study["runtime"]`` holds ``out``, ``results``, ``reuse``, ``quick`` and
+  ``threads``. A study never imports another study.
 
 Run from the repository root::
 
@@ -60,6 +67,10 @@ class Arm:
     series: dict[str, list[tuple[int, float]]]
     run_dir: Path
     section: str | None = None  # tabulated under a heading of its own
+    spec: dict = field(default_factory=dict)  # the arm's entry in the study, keys of the hook's included
+    config: str = ""  # the run's --config
+    args: list[str] = field(default_factory=list)  # everything after it: base, overrides, quick additions
+    others: dict[str, Arm] = field(default_factory=dict)  # every arm of this run of the study, by name
     extra: dict = field(default_factory=dict)  # what a hook computes once and reads in several cells
 
     def values(self, key: str) -> list[float]:
@@ -92,6 +103,11 @@ def study_names() -> list[str]:
 
 def load_hook(study: dict):
     return importlib.import_module(f"study_hooks.{study['hook']}") if study.get("hook") else None
+
+
+def filled(overrides: list, results: Path) -> list[str]:
+    """``overrides`` as strings, ``{results}`` replaced by the results folder (relative to the root when inside it)."""
+    return [str(x).replace("{results}", harness.relative(results)) for x in overrides]
 
 
 def eval_steps(arm: Arm, key: str) -> list[int]:
@@ -128,6 +144,9 @@ def cell(column: dict, arm: Arm, hook) -> str:
         found = [arm.values(k)[-1] for k in ([key] if isinstance(key, str) else key) if arm.values(k)]
         return _fmt(found[0] if found else None, spec, missing)
     if kind == "record":
+        if key == "load":
+            loads = [arm.record.get(k) for k in ("load_before", "load_after")]
+            return missing if None in loads else ", ".join(format(x, spec) for x in loads)
         value = arm.record.get("peak_rss", 0) / 2**20 if key == "peak_rss_mib" else arm.record.get(key)
         return _fmt(value, spec, missing)
     return hook.cells[key](arm)
@@ -178,8 +197,8 @@ def main(argv: list[str] | None = None) -> str:
     hook = load_hook(study)
     quick = study.get("quick", {}) if args.quick else {}
     config = quick.get("config", study["config"])
-    base = [str(x) for x in (quick.get("base", study.get("base", [])) if args.quick else study.get("base", []))]
-    names = args.arms or quick.get("arms") or list(study["arms"])
+    base = quick.get("base", study.get("base", [])) if args.quick else study.get("base", [])
+    names = args.arms or list(quick.get("arms") or study["arms"])
     unknown = [n for n in names if n not in study["arms"]]
     if unknown:
         raise SystemExit(f"error: --arms: unknown {', '.join(unknown)}; use some of {', '.join(study['arms'])}")
@@ -188,21 +207,31 @@ def main(argv: list[str] | None = None) -> str:
     out = Path(args.out) if args.out else (scratch / "runs" if scratch else harness.ROOT / "runs" / study["name"])
     results = Path(args.results) if args.results else (scratch or harness.ROOT / "bench" / "results")
     print(f"runs in {out}, results in {results}", file=sys.stderr, flush=True)
+    base = filled(base, results)
+    study["runtime"] = argparse.Namespace(out=out, results=results, reuse=args.reuse, quick=args.quick, threads=threads)
+    if hook is not None and hasattr(hook, "before") and not args.reuse:
+        hook.before(study, results)
 
     keys = study.get("read", {})
+    quick_arms = quick["arms"] if isinstance(quick.get("arms"), dict) else {}
     arms = []
     for i, name in enumerate(names):
         spec = study["arms"][name]
-        overrides, arm_base = spec["overrides"], base if spec.get("base", True) else []
-        extra = [*arm_base, *overrides, *(str(x) for x in quick.get("overrides", []))]
-        run, record = harness.run_fit(config, out / name, extra, reuse=args.reuse, threads=threads)
+        overrides, arm_base = filled(spec["overrides"], results), base if spec.get("base", True) else []
+        added = filled([*quick.get("overrides", []), *(quick_arms.get(name) or [])], results)
+        extra = [*arm_base, *overrides, *added]
+        arm_config = spec.get("config", config)
+        run, record = harness.run_fit(arm_config, out / name, extra, reuse=args.reuse, threads=threads)
         if not args.keep_checkpoints:  # weights and optimizer state: nothing in a table reads them
             for ckpt in (out / name).rglob("*.ckpt"):
                 ckpt.unlink()
-        series = harness.read_scalars(str(run), keys.get("required", []))
+        # an arm with no row (run for the hook) need not log what the table requires
+        series = harness.read_scalars(str(run), keys.get("required", []), optional=not spec.get("tabulate", True))
         series.update(harness.read_scalars(str(run), keys.get("optional", []), optional=True))
-        arms.append(Arm(name, overrides, arm_base, record, series, run, section=spec.get("section")))
+        arms.append(Arm(name, overrides, arm_base, record, series, run, spec.get("section"), spec, arm_config, extra))
         print(f"[{i + 1}/{len(names)}] {name}: {record['wall']:.0f} s", file=sys.stderr, flush=True)
+    for arm in arms:
+        arm.others = {a.name: a for a in arms}
 
     command = f"nice -n 10 python bench/study.py {study['name']}"
     this = shlex.join(["python", "bench/study.py", *argv])
@@ -212,16 +241,20 @@ def main(argv: list[str] | None = None) -> str:
     lines = harness.header_lines(
         study["title"], command, this_file=this, commit=", ".join(commits) or None, loads=loads, threads=threads
     )
+    own = {n: study["arms"][n]["config"] for n in names if "config" in study["arms"][n]}
+    configs = " Each arm's config: " + ", ".join(f"{n} `{c}`" for n, c in own.items()) + "." if own else ""
     lines += [
-        f"Each run: `python -m lit_rl fit --config {config} {shlex.join(base)} <overrides>` in a fresh process; "
-        "each arm's output is in `<out>/<arm>/fit.log`, its wall time, peak RSS and commit in `bench_run.json`.",
+        f"Each run: `python -m lit_rl fit --config {'<config>' if own else config} {shlex.join(base)} <overrides>` in "
+        "a fresh process; each arm's output is in `<out>/<arm>/fit.log`, its wall time, peak RSS and commit in "
+        "`bench_run.json`." + configs,
         "",
     ]
     if study.get("description"):
         lines += [" ".join(study["description"].split()).format(**fill), ""]
-    lines += table(study, [a for a in arms if not a.section], hook)
-    for section in dict.fromkeys(a.section for a in arms if a.section):
-        inside = [a for a in arms if a.section == section]
+    tabulated = [a for a in arms if a.spec.get("tabulate", True)]
+    lines += table(study, [a for a in tabulated if not a.section], hook)
+    for section in dict.fromkeys(a.section for a in tabulated if a.section):
+        inside = [a for a in tabulated if a.section == section]
         lines += ["", f"## {section}", "", f"Each run: `python -m lit_rl fit --config {config} <overrides>`.", ""]
         lines += table(study, inside, hook)
     if hook is not None and hasattr(hook, "after"):

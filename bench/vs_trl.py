@@ -13,7 +13,7 @@ Precision is equal on both sides: float32, or bf16 mixed precision (lit-rl ``--t
 
 The roofline beside each row: the lit-rl child also runs :class:`lit_rl.callbacks.MemoryProfiler` with tensor
 accounting and predictions off (``track_tensors: false``, ``predict: false``, so its steps run at full speed) and
-the machine rates of ``bench/results/machine_rates.json`` (``python bench/bench_roofline.py --rates-only``); the
+the machine rates of ``bench/results/machine_rates.json`` (``lit-rl rates --out bench/results/machine_rates.json``); the
 step's floor is the sum of its phases' floors (:mod:`lit_rl.memory.roofline`: FLOPs and bytes of each phase at the
 measured matmul rate and bandwidth, in the run's compute dtype). Both sides do the same work, so the same floor
 divides each side's step time: the share of the hardware's limit each trainer reaches.

@@ -1,5 +1,5 @@
 """The ``lit-rl`` command: LightningCLI's ``fit / validate / test / predict`` plus ``estimate``, ``embed``,
-``reward-model`` and ``export`` (``lit-rl --help`` lists them all).
+``reward-model``, ``export`` and ``rates`` (``lit-rl --help`` lists them all).
 
 lit-rl fit --config configs/grpo.yaml
 lit-rl fit --config configs/grpo.yaml --config callbacks/memory_profiler.yaml --trainer.max_steps 5
@@ -8,6 +8,7 @@ lit-rl embed --config configs/grpo_density.yaml      # offline embedding cache f
 lit-rl reward-model                                  # refit the built-in sentiment reward model (GumbelTopK)
 lit-rl validate --config configs/grpo.yaml --ckpt_path runs/grpo/.../last.ckpt   # held-out scores of a checkpoint
 lit-rl export --ckpt_path runs/grpo/.../last.ckpt --out grpo-arith               # a from_pretrained folder
+lit-rl rates --out machine_rates.json                # matmul and bandwidth rates for the MemoryProfiler's roofline
 
 A mistake in the settings, files or functions a run is given is answered in one line on stderr,
 ``error: <field>: <what is wrong>; <the fix>``, with exit status 2; ``--debug`` (or ``LIT_RL_DEBUG=1``)
@@ -422,6 +423,28 @@ def _reward_model(args: list[str]) -> None:
     refit(settings.pop("out"), **settings)
 
 
+def _rates(args: list[str]) -> None:
+    """``lit-rl rates [--out FILE] [--device cpu|cuda] [--quick]``: measure this machine's rates and save them."""
+    from lit_rl.memory.machine_rates import measure_rates, save_rates
+
+    parser = OptionParser(
+        prog="lit-rl rates",
+        description="Measure this machine's matmul rates (float32, bfloat16) and memory bandwidth and save them as "
+        "the file the MemoryProfiler's `rates:` reads for its roofline (each phase's time beside its floor). "
+        "Each figure is the fastest of as many timings as fit in 2 s (0.12 s with --quick); other load lowers it.",
+    )
+    parser.add_argument("--out", default="machine_rates.json", help="file to write (default: machine_rates.json)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where to measure (default: cpu)")
+    parser.add_argument("--quick", action="store_true", help="smaller shapes, 0.12 s per figure (a rough figure)")
+    options = parser.parse_args(args)
+    rates = measure_rates(options.device, ("float32", "bfloat16"), quick=options.quick)
+    for dtype, values in rates["dtypes"].items():
+        print(f"{dtype}: matmul {values['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s, decode-shaped matmul "
+              f"{values['skinny_matmul_flops_per_s'] / 1e9:.1f} GFLOP/s")  # fmt: skip
+    print(f"memory bandwidth {rates['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s ({rates['machine']})")
+    print(f"wrote {save_rates(rates, options.out)}")
+
+
 class Subcommand(NamedTuple):
     """A subcommand lit-rl adds to LightningCLI's: its one-line help and the function given its arguments."""
 
@@ -441,6 +464,9 @@ EXTRA_SUBCOMMANDS = {
     ),
     "export": Subcommand(
         "write a checkpoint's policy as a Hugging Face folder (merged weights, or the LoRA adapter)", _export
+    ),
+    "rates": Subcommand(
+        "measure this machine's matmul rates and memory bandwidth for the roofline (a JSON file)", _rates
     ),
 }
 #: every subcommand, the one list that dispatch, help and the unknown-command error read

@@ -1,9 +1,10 @@
 """Every study in bench/studies/ runs end to end in its quick mode, so no study can rot.
 
-Each study's ``--quick`` trains its tiny config (a random model built in memory) for 1-2 steps per arm in a
-subprocess, exactly as ``python bench/study.py <study> --quick`` does; the numbers mean nothing. Checked: the results
-file has the study's columns in order, a row per quick arm, the cells of the scalars the study requires are filled,
-the columns are those of the committed full-run results file, and ``--reuse`` rebuilds the table without rerunning.
+Each study's ``--quick`` trains its tiny config, or its own configs on ``tiny:llama`` (a random model built in
+memory), for 1-2 steps per arm in a subprocess, exactly as ``python bench/study.py <study> --quick`` does; the numbers
+mean nothing. Checked: the results file has the study's columns in order, a row per quick arm, the cells of the
+scalars the study requires are filled, the columns are those of the committed full-run results file (where this
+runner wrote it), the study's own checks (``CHECKS``), and ``--reuse`` rebuilds the table without rerunning.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ STUDIES = sorted(p.stem for p in (ROOT / "bench" / "studies").glob("*.yaml"))
 
 
 def _study(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(STUDY), *args], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    return subprocess.run([sys.executable, str(STUDY), *args], cwd=ROOT, capture_output=True, text=True, timeout=1800)
 
 
 def _first_table(text: str) -> tuple[list[str], list[list[str]]]:
@@ -48,10 +49,13 @@ def test_every_study_parses_and_names_known_cells():
         study = yaml.safe_load((ROOT / "bench" / "studies" / f"{name}.yaml").read_text())
         assert {"title", "config", "arms", "columns", "quick"} <= study.keys(), name
         assert set(study["quick"].get("arms", study["arms"])) <= set(study["arms"]), name
-        assert study["quick"]["config"].endswith("_tiny.yaml"), name
+        # quick mode trains a tiny random model: a tiny config, or the study's configs on tiny:llama
+        quick = study["quick"]
+        tiny = "tiny:llama" in [*quick.get("base", []), *quick.get("overrides", [])]
+        assert quick.get("config", "").endswith("_tiny.yaml") or tiny, name
 
 
-def _checkpointing(column: dict[str, tuple[str, ...]], arms: list[str]) -> None:
+def _checkpointing(column: dict[str, tuple[str, ...]], arms: list[str], text: str) -> None:
     """More checkpointed layers hold fewer bytes, the estimator predicts them, and one unprofiled step is timed."""
     layers = dict(zip(arms, map(int, column["checkpointed layers"])))
     assert layers["off"] == 0 and layers["1"] >= layers["2"] > 0, layers
@@ -63,7 +67,46 @@ def _checkpointing(column: dict[str, tuple[str, ...]], arms: list[str]) -> None:
     assert all(float(s) > 0 for s in column["step (s)"]) and set(column["steps timed"]) == {"1"}, column
 
 
-CHECKS = {"checkpointing": _checkpointing}  # a study's own assertions on its quick table, by column
+def _roofline(column: dict[str, tuple[str, ...]], arms: list[str], text: str) -> None:
+    """Each run's phases sum to a measured step with a floor below it; a phase table per run, the rates table."""
+    assert arms == ["default", "lora256"]
+    assert all(float(s) > float(f) > 0 for s, f in zip(column["measured step s"], column["floor s"])), column
+    assert text.count("| phase | measured s |") == 2 and "| bfloat16 | " in text
+    for phase in ("rollout", "reference", "policy_forward", "backward", "optimizer"):
+        assert text.count(f"| {phase} | ") == 2, phase
+
+
+def _qlora(column: dict[str, tuple[str, ...]], arms: list[str], text: str) -> None:
+    """Learning rows with two evaluations after the first; the memory table of the four profiled runs; NF4 storage
+    about a quarter of bf16's; every estimate's NF4 step peak below the dense one."""
+    assert arms == ["grpo_lora", "grpo_qlora"]
+    assert all(a.endswith("(0, 1, 2)") for a in column["held-out accuracy (steps)"]), column
+    header, rows = _first_table(text.split("## Memory per phase", 1)[1])
+    assert header == ["phase", "fp32", "bf16", "nf4-fp32", "nf4-bf16"]
+    assert [r[0] for r in rows] == ["rollout", "reference", "policy_forward", "backward", "optimizer", "step"]
+    assert all(" / " in c and "(" in c for r in rows for c in r[1:]), rows
+    nf4 = next(r for r in _first_table("| storage |" + text.split("| storage |", 1)[1])[1] if "NF4" in r[0])
+    assert 0.5 < float(nf4[2]) < 0.6, nf4
+    tables = text.split("| phase | dense base GiB | NF4 base GiB | NF4 / dense |")[1:]
+    assert len(tables) == 3
+    for table in tables:
+        step = next(ln for ln in table.splitlines() if ln.startswith("| step |"))
+        assert 0 < float(step.split("|")[4]) < 1, step  # NF4 / dense
+
+
+def _gumbel_topk_vs_grpo(column: dict[str, tuple[str, ...]], arms: list[str], text: str) -> None:
+    """Each method's own phases from its profiled twin; held-out rows for every arm at every evaluation."""
+    assert arms == ["GumbelTopK", "GRPO"]
+    peaks = column["peak GiB per phase (profiled run)"]
+    assert peaks[0].startswith("generate ") and peaks[1].startswith("rollout "), peaks
+    _, by_step = _first_table(text.split("## Held-out scores by step", 1)[1])
+    assert [(r[0], r[1]) for r in by_step] == [(m, s) for m in arms for s in ("0", "1", "2")]
+    assert [r[0] for r in _first_table(text.split("## At equal wall time", 1)[1])[1]] == arms
+
+
+# a study's own assertions on its quick table (by column) and results file
+CHECKS = {"checkpointing": _checkpointing, "roofline": _roofline, "qlora": _qlora,
+          "gumbel_topk_vs_grpo": _gumbel_topk_vs_grpo}  # fmt: skip
 
 
 @pytest.mark.bench
@@ -84,32 +127,44 @@ def test_quick_run_writes_the_columns_and_a_row_per_arm(name, tmp_path):
     columns = [c for c in study["columns"] if not c.get("optional") or c["header"] in headers]
     expected = [c["header"].split("{")[0] for c in columns]
     assert len(headers) == len(expected) and all(h.startswith(e) for h, e in zip(headers, expected)), headers
-    arms = study["quick"].get("arms", list(study["arms"]))
-    in_sections = [a for a in arms if isinstance(study["arms"][a], dict) and study["arms"][a].get("section")]
-    assert [r[0] for r in rows] == [a for a in arms if a not in in_sections]
-    for arm in in_sections:
-        section = text.split(f"## {study['arms'][arm]['section']}", 1)[1]
-        assert [r[0] for r in _first_table(section)[1]] == [arm]
+    arms = list(study["quick"].get("arms", study["arms"]))
+    specs = {a: study["arms"][a] if isinstance(study["arms"][a], dict) else {} for a in arms}
+    tabulated = [a for a in arms if specs[a].get("tabulate", True)]  # the others are run for the hook to read
+    in_sections = [a for a in tabulated if specs[a].get("section")]
+    assert [r[0] for r in rows] == [a for a in tabulated if a not in in_sections]
+    for section in dict.fromkeys(specs[a]["section"] for a in in_sections):
+        after = text.split(f"## {section}", 1)[1]
+        assert [r[0] for r in _first_table(after)[1]] == [a for a in in_sections if specs[a]["section"] == section]
     required = set(study.get("read", {}).get("required", []))
     for column, i in ((c, i) for i, c in enumerate(columns) if isinstance(c["cell"], dict)):
         kind, key = next(iter(column["cell"].items()))
-        if kind in ("window", "series") and key in required:
+        if kind in ("window", "series") and key in required:  # a tabulated arm logged what the study requires
             assert all(r[i] not in ("", column.get("missing", "-")) for r in rows), (column["header"], rows)
 
     committed = ROOT / "bench" / "results" / filename
-    if committed.exists():  # the quick run's columns are those of the committed full run's file
+    if f"Regenerate: `nice -n 10 python bench/study.py {name}`" in (
+        committed.read_text() if committed.exists() else ""
+    ):
+        # the quick run's columns are those of the committed full run's file (once the runner has written it)
         optional = {c["header"] for c in study["columns"] if c.get("optional")}
         assert _columns([h for h in headers if h not in optional]) == _columns(
             [h for h in _first_table(committed.read_text())[0] if h not in optional]
         )
 
     # every arm's overrides reached its run (the config Lightning saved beside its logs)
+    quick = study["quick"]
     for arm in arms:
         saved = yaml.safe_load(next((out / arm).rglob("config.yaml")).read_text())
         spec = study["arms"][arm]
         overrides = spec.get("overrides", []) if isinstance(spec, dict) else spec
+        later = [
+            *quick.get("overrides", []),
+            *(quick["arms"].get(arm) or [] if isinstance(quick.get("arms"), dict) else []),
+        ]
         for flag, value in zip(overrides[::2], overrides[1::2]):
-            if flag == "--config":  # a config fragment: what it sets is in the saved config, not its name
+            if (
+                flag == "--config" or flag in later[::2]
+            ):  # a fragment (its name is not saved), or set again in quick mode
                 continue
             node = saved
             for part in flag.removeprefix("--").split("."):
@@ -117,7 +172,7 @@ def test_quick_run_writes_the_columns_and_a_row_per_arm(name, tmp_path):
                 node = node[part]
             assert node == yaml.safe_load(str(value)), (arm, flag, node)
     if name in CHECKS:
-        CHECKS[name](dict(zip(headers, zip(*rows))), [r[0] for r in rows])
+        CHECKS[name](dict(zip(headers, zip(*rows))), [r[0] for r in rows], text)
 
     again = _study(name, "--quick", "--reuse", "--out", str(out), "--results", str(results))
     assert again.returncode == 0, again.stderr[-3000:]

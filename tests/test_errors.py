@@ -189,7 +189,7 @@ def test_a_stale_density_cache_names_the_command_that_rebuilds_it(tmp_path, caps
 def test_an_unknown_command_is_named(capsys):
     assert _error_line(capsys, ["fitt"]) == (
         "error: fitt: not a command of lit-rl; did you mean fit? use one of fit, validate, test, predict, estimate, embed, "
-        "reward-model, export"
+        "reward-model, export, rates"
     )
 
 

@@ -86,4 +86,4 @@ def test_help_lists_every_subcommand(capsys):
     out = capsys.readouterr().out
     for name in ("fit", "validate", "test", "predict", *EXTRA_SUBCOMMANDS):
         assert f"\n    {name} " in out, name
-    assert set(EXTRA_SUBCOMMANDS) == {"estimate", "embed", "reward-model", "export"}
+    assert set(EXTRA_SUBCOMMANDS) == {"estimate", "embed", "reward-model", "export", "rates"}

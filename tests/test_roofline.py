@@ -212,7 +212,7 @@ def test_rates_round_trip_and_a_bad_file_names_the_command(tmp_path):
     assert rates["dtypes"]["float32"]["matmul_flops_per_s"] > 1e8 and rates["bandwidth_bytes_per_s"] > 1e8
     assert load_rates(save_rates(rates, tmp_path / "rates.json")) == json.loads(json.dumps(rates))
     (tmp_path / "bad.json").write_text("{}")
-    with pytest.raises(ValueError, match="bench_roofline.py --rates-only"):
+    with pytest.raises(ValueError, match="lit-rl rates --out"):
         load_rates(tmp_path / "bad.json")
     with pytest.raises(ValueError, match="no such file"):
         PhaseRoofline(str(tmp_path / "missing.json"))
@@ -311,27 +311,11 @@ def test_profiler_summary_puts_each_phase_time_beside_its_floor(tmp_path, lightn
     assert "cuda rates" in other["skipped"] and "trains on cpu" in other["skipped"]
 
 
-@pytest.mark.bench
-@pytest.mark.slow  # bench/bench_roofline.py --quick: two tiny fits in subprocesses
-def test_bench_quick_writes_both_tables_and_reuse_rebuilds_them(tmp_path):
-    import subprocess
-    import sys
-    from pathlib import Path
+def test_rates_command_writes_a_file_the_profiler_reads(tmp_path, capsys):
+    from lit_rl.cli import main
 
-    script = Path(__file__).resolve().parents[1] / "bench" / "bench_roofline.py"
-    done = subprocess.run([sys.executable, str(script), "--quick", "--results", str(tmp_path)], capture_output=True,
-                          text=True, timeout=600)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    text = (tmp_path / "roofline.md").read_text()
-    assert "load average" in text and "do not depend on the machine or its load" in text
-    assert text.count("| phase | measured s |") == 2
-    for phase in ("rollout", "reference", "policy_forward", "backward", "optimizer"):
-        assert text.count(f"| {phase} | ") == 2, phase
-    assert "checkpointed layers" in text and "LoRA (" in text and "full fine-tuning (" in text
-    rates = load_rates(tmp_path / "machine_rates.json")
-    assert set(rates["dtypes"]) == {"float32", "bfloat16"}
-    (tmp_path / "roofline.md").unlink()
-    again = subprocess.run([sys.executable, str(script), "--reuse", "--results", str(tmp_path)], capture_output=True,
-                           text=True, timeout=120)  # fmt: skip
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert (tmp_path / "roofline.md").read_text() == text
+    main(["rates", "--quick", "--out", str(tmp_path / "rates.json")])
+    assert f"wrote {tmp_path / 'rates.json'}" in capsys.readouterr().out
+    rates = load_rates(tmp_path / "rates.json")
+    assert set(rates["dtypes"]) == {"float32", "bfloat16"} and rates["quick"] and rates["device"] == "cpu"
+    PhaseRoofline(str(tmp_path / "rates.json"))  # accepted as the profiler's rates: file

@@ -97,8 +97,9 @@ class MemoryProfiler(Callback):
             seconds per distinct shape, cached) at that step's shapes, so ``memory/<phase>/predicted_gib`` is
             logged beside the measurement. Batches that are not prompt batches (no ``input_ids``) get the padded
             upper bound of ``lit-rl estimate`` instead.
-        rates: ``measure`` (a quick measurement after the steps), a file of ``bench/bench_roofline.py`` or null: the
-            rates of ``roofline`` in the summary, each phase's time beside its floor (:mod:`lit_rl.memory.roofline`).
+        rates: ``measure`` (a quick measurement after the steps), a file of ``lit-rl rates --out FILE`` or null:
+            the rates of ``roofline`` in the summary, each phase's time beside its floor
+            (:mod:`lit_rl.memory.roofline`).
 
     Raises:
         MisconfigurationException:

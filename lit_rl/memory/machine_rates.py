@@ -15,9 +15,9 @@ this module measures both on the device a run trains on, with plain torch calls:
 Every figure is the fastest of as many timings as fit in a time budget (at least 3), after a warm-up, so a burst of
 load from other processes costs a timing, not the figure; a machine loaded throughout still measures low, most of all
 in the long timings of large GEMMs. :func:`measure_rates` at its defaults (2 s per figure) is what
-``bench/bench_roofline.py --rates-only`` writes to ``bench/results/machine_rates.json``; ``quick=True`` (smaller
-shapes, 0.12 s per figure, under a second for one dtype) is what the MemoryProfiler measures at the end of a run
-when it is given no file.
+``lit-rl rates --out FILE`` writes (``bench/results/machine_rates.json``: ``python bench/study.py roofline``);
+``quick=True`` (smaller shapes, 0.12 s per figure, under a second for one dtype) is what the MemoryProfiler measures
+at the end of a run when it is given no file.
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ def load_rates(path: str | Path) -> dict[str, Any]:
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
         raise ValueError(
             f"rates: cannot read machine rates from {str(path)!r} ({type(err).__name__}: {err}); write them with "
-            "`python bench/bench_roofline.py --rates-only --rates <file>`"
+            "`lit-rl rates --out <file>`"
         ) from err
     return rates
 

@@ -325,7 +325,7 @@ class PhaseRoofline:
     def __init__(self, rates: str | None = MEASURE) -> None:
         if rates not in (None, MEASURE) and not Path(rates).is_file():
             raise ValueError(
-                f"rates: no such file {rates!r}; write one with `python bench/bench_roofline.py --rates-only`, "
+                f"rates: no such file {rates!r}; write one with `lit-rl rates --out FILE`, "
                 f"or use {MEASURE!r} (a quick measurement) or null (no floors)"
             )
         self.rates = rates

@@ -36,6 +36,7 @@ from lit_rl.models.loading import (
     resolve_source,
 )
 from lit_rl.models.optimizers import build_optimizer
+from lit_rl.models.quantize import nf4_memory, quantize_base_nf4
 from lit_rl.models.reward import (
     forward_soft_embeds,
     forward_soft_sparse,
@@ -74,7 +75,9 @@ __all__ = [
     "load_reward_model",
     "load_tokenizer",
     "meta_config",
+    "nf4_memory",
     "output_cache",
+    "quantize_base_nf4",
     "resolve_dtype",
     "resolve_source",
     "sample_completions",

@@ -1,0 +1,179 @@
+"""What the GumbelTopK-vs-GRPO study needs beyond logged scalars: held-out scores by step, by a reward model too, at
+equal wall time; each arm's peak memory per phase from its profiled twin; completions before and after; the plot.
+
+Each run writes its held-out completions to ``heldout/val_step*.jsonl`` (with the lexicon judges' scores and text
+statistics per completion); the study's ``scorer`` (the shipped reward model, through its public
+``forward_soft_sparse`` with one-hot soft tokens) scores the same completions for every arm alike after the runs.
+Training seconds are the sum of the logged phase times (``harness.training_seconds``), evaluation left out; at equal
+wall time each arm is read at its last evaluation within the training seconds the fastest arm took in all.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import yaml
+from harness import mean, read_scalar_events, training_seconds
+from heldout_examples import examples
+
+# per held-out completion in a run's heldout/*.jsonl: the judges, then text statistics
+HELD_OUT = ("vader_positive", "afinn_positive", "vader_compound", "completions/distinct_bigrams",
+            "completions/mean_length")  # fmt: skip
+COLUMNS = ("vader_positive", "afinn_positive", "vader_compound", "rm", "rm_positive", "completions/distinct_bigrams",
+           "completions/mean_length")  # fmt: skip
+BATCH = 32  # completions per reward-model forward
+
+
+# ------------------------------------------------------------------------------------------------ cells
+def step_seconds(arm) -> str:
+    seconds = training_seconds(arm.run_dir)
+    return f"{max(seconds.values()) / max(max(seconds), 1):.1f}"
+
+
+def memory(arm) -> str:
+    """The highest tensor peak (GiB) the memory profiler logged for each of the method's phases in the twin run."""
+    twin = arm.others.get(arm.spec.get("profiled"))
+    if twin is None:
+        return "not measured"
+    import lit_rl.methods
+
+    config = yaml.safe_load((twin.run_dir / "config.yaml").read_text())
+    method = getattr(lit_rl.methods, config["model"]["class_path"].rsplit(".", 1)[1])
+    keys = [f"memory/{p}/peak_gib" for p in method.phase_names]
+    events = read_scalar_events(str(twin.run_dir), keys, optional=True)
+    return ", ".join(f"{k.split('/')[1]} {max(e.value for e in v):.2f}" for k, v in events.items()) or "not measured"
+
+
+cells = {"step_seconds": step_seconds, "memory": memory}
+
+
+# ------------------------------------------------------------------------------------------------ held-out scores
+def _padded(tokenizer, seqs: list[list[int]], side: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[n, L]`` ids and mask of ``seqs`` padded to one length on ``side`` (prompts left, completions right)."""
+    tokenizer.padding_side = side
+    batch = tokenizer.pad({"input_ids": seqs}, return_tensors="pt")
+    return batch["input_ids"], batch["attention_mask"]
+
+
+class Scorer:
+    """The study's reward model and tokenizer, loaded once; :meth:`score` gives each completion's score."""
+
+    def __init__(self, reward_model: str, head: str | None) -> None:
+        from lit_rl.models import load_reward_model, load_tokenizer
+        from lit_rl.reward_model import shipped_head_file
+
+        self.tokenizer = load_tokenizer(reward_model)
+        head_file = shipped_head_file() if head == "shipped" else head
+        self.model = load_reward_model(
+            reward_model, policy_tokenizer=self.tokenizer, vocab_size=len(self.tokenizer), head_file=head_file
+        )
+
+    def score(self, rows: list[dict]) -> torch.Tensor:
+        tok = self.tokenizer
+        pairs = [(tok(r["prompt"], add_special_tokens=False)["input_ids"],
+                  tok(r["completion"], add_special_tokens=False)["input_ids"] or [tok.eos_token_id]) for r in rows]  # fmt: skip
+        scores = []
+        for start in range(0, len(pairs), BATCH):
+            ids, prompt_mask = _padded(tok, [p for p, _ in pairs[start : start + BATCH]], "left")  # [b, P]
+            comp, comp_mask = _padded(tok, [c for _, c in pairs[start : start + BATCH]], "right")  # [b, C]
+            mask = torch.cat([prompt_mask, comp_mask], dim=1)  # [b, P + C]
+            with torch.no_grad():
+                scores.append(self.model.forward_soft_sparse(ids, comp[..., None], torch.ones(*comp.shape, 1), mask))
+        return torch.cat(scores)  # [N]
+
+
+def held_out(arm, scorer: Scorer) -> dict[int, dict[str, float]]:
+    """``{steps trained: {score: mean}}`` over each evaluation's completions: the judges and text statistics the run
+    wrote, plus ``rm`` (the reward model's mean score) and ``rm_positive`` (the share above 0)."""
+    out = {}
+    for path in sorted((arm.run_dir / "heldout").glob("val_step*.jsonl")):
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        scores = scorer.score(rows)  # [N]
+        means = {k: mean([row[k] for row in rows]) for k in HELD_OUT}
+        means.update(rm=scores.mean().item(), rm_positive=(scores > 0).float().mean().item())
+        out[int(path.stem.removeprefix("val_step"))] = means
+    return out
+
+
+def tables(arms: list, scores: dict[str, dict], seconds: dict[str, dict]) -> list[str]:
+    lines = [
+        "## Held-out scores by step",
+        "",
+        "| method | step | training s | vader_positive | afinn_positive | vader_compound | RM score | RM positive "
+        "| distinct bigrams | length |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for arm in arms:
+        for step, means in sorted(scores[arm.name].items()):
+            spent = seconds[arm.name].get(step, float("nan"))
+            lines.append(
+                f"| {arm.name} | {step} | {spent:.0f} | " + " | ".join(f"{means[c]:.3f}" for c in COLUMNS) + " |"
+            )
+    budget = min(max(s.values()) for s in seconds.values())
+    lines += [
+        "",
+        f"## At equal wall time: {budget:.0f} s of training (the shortest run's total)",
+        "",
+        "| method | last evaluation within the budget (step) | vader_positive | afinn_positive | RM score |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    for arm in arms:
+        step = max(s for s in scores[arm.name] if seconds[arm.name].get(s, float("inf")) <= budget + 1e-6)
+        means = scores[arm.name][step]
+        lines.append(f"| {arm.name} | {step} | " + " | ".join(f"{means[c]:.3f}" for c in COLUMNS[:2] + ("rm",)) + " |")
+    return lines
+
+
+def plot(arms: list, scores: dict[str, dict], seconds: dict[str, dict], path: Path) -> None:
+    """Held-out scores and training statistics against the step (top) and the training seconds (bottom)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [("vader_positive", "VADER positive (held-out)", True),
+              ("afinn_positive", "AFINN positive (judge, held-out)", True),
+              ("rm", "reward-model score (held-out)", True), ("kl/mean", "KL per token (training)", False),
+              ("completions/mean_length", "completion length (training)", False),
+              ("completions/distinct_bigrams", "distinct bigrams (training)", False)]  # fmt: skip
+    fig, axes = plt.subplots(2, len(panels), figsize=(3.2 * len(panels), 5.6), squeeze=False)
+    for arm in arms:
+        for col, (key, title, is_held_out) in enumerate(panels):
+            if is_held_out:
+                points = sorted((s, v[key]) for s, v in scores[arm.name].items())
+            else:  # by steps trained: step k's metrics are logged at k - 1
+                points = [(s + 1, v) for s, v in arm.series.get(key, [])]
+            if not points:
+                continue
+            steps, values = zip(*points)
+            spent = [seconds[arm.name].get(s, float("nan")) for s in steps]
+            style = "o-" if is_held_out else "-"
+            axes[0][col].plot(steps, values, style, label=arm.name, markersize=4)
+            axes[1][col].plot(spent, values, style, label=arm.name, markersize=4)
+            axes[0][col].set_title(title, fontsize=9)
+            axes[0][col].set_xlabel("optimizer step", fontsize=8)
+            axes[1][col].set_xlabel("seconds of training", fontsize=8)
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def after(study: dict, arms: list, results: Path) -> list[str]:
+    """The held-out tables, each arm's completions before and after, and ``gumbel_topk_vs_grpo.png``."""
+    runtime = study["runtime"]
+    scorer_spec = (study.get("quick", {}) if runtime.quick else study)["scorer"]
+    scorer = Scorer(scorer_spec["reward_model"], scorer_spec.get("head"))
+    shown = [a for a in arms if a.spec.get("tabulate", True)]
+    scores = {a.name: held_out(a, scorer) for a in shown}
+    seconds = {a.name: training_seconds(a.run_dir) for a in shown}
+    lines = ["", *tables(shown, scores, seconds)]
+    for arm in shown:
+        lines += ["", f"## {arm.name}: held-out completions before and after", ""]
+        lines.append(examples(arm.run_dir, ["vader_compound", "afinn_positive"], 4))
+    results.mkdir(parents=True, exist_ok=True)
+    path = results / f"{study['name']}.png"
+    plot(shown, scores, seconds, path)
+    return [*lines, "", f"Plot: [`{path.name}`]({path.name})."]
