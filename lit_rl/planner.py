@@ -15,8 +15,9 @@ floor at the machine's measured rates, or a rates file's). The tactics:
   ``reference_bf16`` (the full fine-tuning reference copy in bfloat16).
 
 For every allowed combination of the changed-arithmetic tactics, micro-batches shrink by halves from the config's
-until one fits without checkpointing; each size that fits only with checkpointing is a candidate at its least
-checkpointing. The fastest candidate by the roofline's floor wins (where the roofline does not model the step, a
+until one fits without checkpointing, or until halving lowers the peak by less than 1% of the budget (then the
+peak is weights, gradients and optimizer state, which no micro-batch changes); each size that fits only with
+checkpointing is a candidate at its least checkpointing. The fastest candidate by the roofline's floor wins (where the roofline does not model the step, a
 4-bit base or a method whose phases it does not know, the fewest passes and least recompute win instead, and the
 table says so). The plan is written as a config fragment for ``lit-rl fit --config C --config plan.yaml``, headed
 by the config it was made for, which the fit checks (:func:`plan_header` / :func:`check_plan_files`).
@@ -123,6 +124,7 @@ def plan(
         for combo in itertools.combinations(choices, count):
             changes = _changes(combo, settings)
             rows = start = base.estimate.settings["micro_batch_size"]
+            last = None
             while rows >= 1:  # the config's micro-batch, then halves of it
                 overrides = {**changes, **(_micro_batch(module, rows, prompt_row) if rows < start else {})}
                 plain = _candidate(module, rates, settings, overrides, combo) if (combo or rows < start) else base
@@ -130,10 +132,12 @@ def plan(
                     add(plain)
                 if plain.peak <= device_bytes:
                     break  # smaller micro-batches fit too, and are slower
+                if last is not None and last - plain.peak < 0.01 * device_bytes:
+                    break  # halving no longer lowers the peak (weights, gradients and state fill it): stop here
                 every, known = least_checkpointing(module, device_bytes, {**settings, **overrides}, {0: plain.estimate})
                 if every:
                     add(_candidate(module, rates, settings, overrides, combo, every, known[every]))
-                rows = rows // 2 if rows > 1 else 0
+                last, rows = plain.peak, rows // 2 if rows > 1 else 0
     fitting = [c for c in found if c.peak <= device_bytes]
     best = min(fitting, key=_order, default=None)
     return best, found, base
