@@ -21,6 +21,8 @@ from itertools import islice
 from pathlib import Path
 from typing import Any
 
+from lightning.pytorch.utilities import rank_zero_info
+
 from lit_rl.data.rows import check_rows, top_level_columns
 
 #: a hub split whose Arrow data the hub reports above this size is streamed unless ``data.streaming`` says otherwise
@@ -63,7 +65,8 @@ def read_dataset(
     Args:
         source: a ``save_to_disk`` folder, a folder laid out as a hub repository, or a hub id.
         prompt_field, answer_field: see :func:`lit_rl.data.rows.check_rows`.
-        subset: the hub dataset's configuration (``main`` for ``openai/gsm8k``); ``None`` when it has one.
+        subset: the hub dataset's configuration (``main`` for ``openai/gsm8k``); ``None`` when it has one. A saved
+            folder holds one subset already and does not read it.
         split: the split to read (``train``, or a slice such as ``train[:1000]``); a folder that one ``Dataset``
             was saved to has no splits and ignores it.
         streaming: stream the split (``None``: when it is large, see the module docstring).
@@ -78,10 +81,8 @@ def read_dataset(
     path = Path(source).expanduser()
     columns = top_level_columns(prompt_field, answer_field)
     if path.is_dir() and is_saved_dataset(path):
-        if subset is not None:
-            raise ValueError(
-                f"data.subset: {source} is a saved dataset, which has no subsets (got {subset!r}); remove data.subset"
-            )
+        if subset is not None:  # the subset was chosen when it was saved: a hub config's subset may stay as it is
+            rank_zero_info(f"data.subset {subset!r} is not read: {source} is a saved dataset, which has no subsets")
         where, rows = _saved_rows(datasets, path, split, columns)
     else:
         where, rows = _hub_rows(datasets, source, subset, split, streaming, columns)
