@@ -209,3 +209,26 @@ def test_without_datasets_installed_the_line_names_the_extra(saved, monkeypatch)
         ImportError, match=r"^data.source: .*needs the datasets library; `pip install 'lit-rl\[datasets\]'`"
     ):
         _module(source=str(saved))
+
+
+@pytest.mark.slow  # two whole fits of the tiny model
+@pytest.mark.parametrize("prompt_field", ["question", "messages"])
+def test_the_gsm8k_config_trains_on_a_saved_dataset_and_scores_held_out_problems(saved, tmp_path, prompt_field):
+    from pathlib import Path
+
+    from lit_rl.cli import LitRLCLI
+
+    config = Path(__file__).resolve().parents[1] / "configs/grpo_gsm8k.yaml"
+    cli = LitRLCLI(args=[
+        "fit", "--config", str(config), "--data.init_args.source", str(saved),
+        "--data.init_args.prompt_field", prompt_field, "--data.init_args.val_size", "3",
+        *(["--data.init_args.instruction", "null"] if prompt_field == "messages" else []),
+        "--model.init_args.name_or_path", "tiny:llama", "--model.init_args.max_new_tokens", "6",
+        "--model.init_args.num_generations", "2", "--trainer.accelerator", "cpu", "--trainer.max_steps", "2",
+        "--trainer.val_check_interval", "2",  # the config's ModelCheckpoint saves into tmp_path
+        "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(tmp_path),
+    ])  # fmt: skip
+    assert cli.trainer.global_step == 2
+    assert "val/gsm8k_answer" in cli.trainer.callback_metrics, sorted(cli.trainer.callback_metrics)
+    held = cli.datamodule.held_out_records()
+    assert len(held) == 3 and isinstance(held[0]["prompt"], str) == (prompt_field == "question")
