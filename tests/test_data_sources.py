@@ -120,6 +120,8 @@ def test_density_sampling_embeds_the_rendered_conversation(saved, tmp_path):
     ("kw", "message"),
     [
         ({"prompt_field": "query"}, r"^data.prompt_field: .*saved \(split train\), row 1: no field 'query' "),
+        ({"prompt_field": "query", "answer_field": "solution"},
+         r"^data.prompt_field: .*row 1: no field 'query' .*the row has \['answer', 'messages', 'question', 'reward_model'\]"),
         ({"prompt_field": "question", "answer_field": "reward_model.truth"},
          r"^data.answer_field: .*, row 1: no field 'reward_model.truth' \(data.answer_field\); the row has "),
         ({"prompt_field": "question", "split": "validation"},

@@ -104,8 +104,9 @@ def _saved_rows(datasets, path: Path, split: str, columns: list[str]) -> tuple[s
 
 def _table_rows(table, columns: list[str]) -> Iterator[dict[str, Any]]:
     """Rows of a memory-mapped ``Dataset``, one batch in memory at a time, with only ``columns``."""
-    kept = table.select_columns([c for c in columns if c in table.column_names]) if columns else table
     names = table.column_names
+    present = [c for c in columns if c in names]
+    kept = table.select_columns(present) if present else table  # none present: row 1 fails the check, naming all
     for batch in kept.iter(batch_size=BATCH_ROWS):
         # a row lacking a prompt or answer column still names every column it has in the row check's message
         size = len(next(iter(batch.values()))) if batch else 0
