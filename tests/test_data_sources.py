@@ -147,7 +147,7 @@ def test_a_row_whose_prompt_is_not_a_conversation_is_named(tmp_path):
     with pytest.raises(ValueError, match=r"row 2: field 'prompt' holds a list whose item .* is not a message"):
         _module(source=str(tmp_path / "d"))
     (tmp_path / "n.jsonl").write_text(json.dumps({"prompt": 7, "answer": 7}) + "\n")
-    with pytest.raises(ValueError, match=r"n.jsonl, row 1: field 'prompt' holds a int \('7'\), neither a string nor"):
+    with pytest.raises(ValueError, match=r"n.jsonl, row 1: field 'prompt' holds an int \('7'\), neither a string nor"):
         _module(source=str(tmp_path / "n.jsonl"))
 
 
@@ -171,8 +171,8 @@ def test_a_wrong_split_or_subset_of_a_hub_id_lists_the_available_ones(offline_hu
 
 
 def test_a_hub_id_neither_cached_nor_reachable(offline_hub):
-    with pytest.raises(FileNotFoundError, match=r"^data.source: someone/elsewhere is not a local file or folder, not in "
-                       r"the datasets cache and offline mode is on"):  # fmt: skip
+    with pytest.raises(FileNotFoundError, match=r"^data.source: someone/elsewhere is not a local file or folder, and not "
+                       r"in the datasets cache, and offline mode is on"):  # fmt: skip
         _module(source="someone/elsewhere", prompt_field="question")
 
 

@@ -126,7 +126,7 @@ CATALOGUE = [
     ("malformed row", ["--config", str(GRPO), "--data.init_args.source", "{d}/data/bad_row.jsonl"],
      "data.source: {d}/data/bad_row.jsonl, row 2: not valid JSON"),
     ("prompt neither a string nor messages", ["--config", str(GRPO), "--data.init_args.source", "{d}/data/number.jsonl"],
-     "data.prompt_field: {d}/data/number.jsonl, row 2: field 'prompt' holds a int ('3'), neither a string nor a list "
+     "data.prompt_field: {d}/data/number.jsonl, row 2: field 'prompt' holds an int ('3'), neither a string nor a list "
      'of {{"role": ..., "content": ...}} messages; fix the row or set data.prompt_field to the column that holds'),
     ("dataset field", ["--config", str(GRPO), "--data.init_args.source", "{d}/data/gsm8k"],
      "data.prompt_field: {d}/data/gsm8k (split train), row 1: no field 'prompt' (data.prompt_field); the row has "

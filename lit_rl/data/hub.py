@@ -129,12 +129,15 @@ def _hub_rows(
             raise ValueError(f"data.subset: {source} has several subsets; {listed} (data.subset)") from err
         raise ValueError(f"data.subset: {source} has no subset {subset!r}; {listed} (data.subset)") from err
     except (ConnectionError, FileNotFoundError) as err:
-        offline = (
-            " and offline mode is on (HF_DATASETS_OFFLINE / HF_HUB_OFFLINE)" if datasets.config.HF_HUB_OFFLINE else ""
-        )
+        if datasets.config.HF_HUB_OFFLINE:
+            why = "not in the datasets cache, and offline mode is on (HF_DATASETS_OFFLINE / HF_HUB_OFFLINE)"
+        elif isinstance(err, ConnectionError):
+            why = f"the Hugging Face Hub could not be reached ({type(err).__name__})"
+        else:
+            why = "not a dataset on the Hugging Face Hub"
         raise FileNotFoundError(
-            f"data.source: {source} is not a local file or folder, not in the datasets cache{offline}, and not found "
-            f"on the Hugging Face Hub ({type(err).__name__}); check the id or path, or give a .jsonl / .parquet file"
+            f"data.source: {source} is not a local file or folder, and {why}; check the id or path, "
+            "or give a saved dataset folder or a .jsonl / .parquet file"
         ) from err
     splits = builder.info.splits or {}
     name = re.split(r"[\[+]", split, maxsplit=1)[0]  # `train[:100]` reads the train split

@@ -94,4 +94,5 @@ def _describe(value: Any) -> str:
             return "an empty list"
         bad = next((m for m in value if not (isinstance(m, dict) and isinstance(m.get("content"), str))), value[0])
         return f"a list whose item {str(bad)[:60]!r} is not a message with string role and content"
-    return f"a {type(value).__name__} ({str(value)[:40]!r})"
+    name = type(value).__name__
+    return f"{'an' if name[0] in 'aeiou' else 'a'} {name} ({str(value)[:40]!r})"
