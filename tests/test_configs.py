@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
+from gsm8k_data import save_gsm8k
 
 from lit_rl.cli import LitRLCLI
 
@@ -17,6 +19,10 @@ def _tiny_overrides(config: Path, tmp_path: Path) -> list[str]:
     text = config.read_text()
     arch = "qwen2" if "qwen" in text.lower() else "llama"
     reward = ["--model.init_args.reward_model", f"tiny:{arch}"] if "reward_model:" in text else []
+    source = yaml.safe_load(text)["data"]["init_args"].get("source", "arithmetic")
+    if source not in ("arithmetic", "reviews"):  # a hub dataset: a saved copy of its shape, nothing downloaded
+        pytest.importorskip("datasets", reason="a config on a Hugging Face dataset needs `pip install datasets`")
+        reward += ["--data.init_args.source", str(save_gsm8k(tmp_path / "dataset", n=24))]
     return [*reward,
         "--model.init_args.name_or_path", f"tiny:{arch}",
         "--model.init_args.dtype", "float32",

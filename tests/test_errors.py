@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from gsm8k_data import hub_layout, save_gsm8k
 
 from lit_rl.cli import main
 
@@ -47,6 +48,9 @@ def earlier(tmp_path_factory) -> Path:
     (folder / "data/bad_row.jsonl").write_text('{"prompt": "What is 1 + 1?", "answer": 2}\n{"prompt": "x",\n')
     long = [json.dumps({"prompt": f"What is {i} + 1? " * 20, "answer": i + 1}) for i in range(8)]
     (folder / "data/long.jsonl").write_text("\n".join(long) + "\n")
+    (folder / "data/number.jsonl").write_text('{"prompt": "What is 1 + 1?", "answer": 2}\n{"prompt": 3, "answer": 3}\n')
+    save_gsm8k(folder / "data/gsm8k", n=8)  # a DatasetDict folder with splits train and test
+    hub_layout(folder / "data/gsm8k_repo", n=8)  # subsets main and socratic
     (folder / "bad.yaml").write_text("model:\n  init_args:\n    beta: [0.1\n")
     (folder / "typo.yaml").write_text("trainer:\n  max_stepz: 3\n")
     (folder / "random.ckpt").write_bytes(os.urandom(4096))
@@ -115,11 +119,24 @@ CATALOGUE = [
     ("max_new_tokens 0", ["--config", str(GRPO), "--model.init_args.max_new_tokens", "0"],
      "model.max_new_tokens: must be >= 1, got 0; set it to 1 or more"),
     ("missing data file", ["--config", str(GRPO), "--data.init_args.source", "{d}/data/nope.jsonl"],
-     "data.source: {d}/data/nope.jsonl does not exist; give a .jsonl or .parquet file, or 'arithmetic'"),
+     "data.source: {d}/data/nope.jsonl does not exist; give a .jsonl or .parquet file, a dataset folder or hub id, "
+     "or 'arithmetic'"),
     ("empty data file", ["--config", str(GRPO), "--data.init_args.source", "{d}/data/empty.jsonl"],
      "data.source: {d}/data/empty.jsonl has no rows"),
     ("malformed row", ["--config", str(GRPO), "--data.init_args.source", "{d}/data/bad_row.jsonl"],
      "data.source: {d}/data/bad_row.jsonl, row 2: not valid JSON"),
+    ("prompt neither a string nor messages", ["--config", str(GRPO), "--data.init_args.source", "{d}/data/number.jsonl"],
+     "data.prompt_field: {d}/data/number.jsonl, row 2: field 'prompt' holds an int ('3'), neither a string nor a list "
+     'of {{"role": ..., "content": ...}} messages; fix the row or set data.prompt_field to the column that holds'),
+    ("dataset field", ["--config", str(GRPO), "--data.init_args.source", "{d}/data/gsm8k"],
+     "data.prompt_field: {d}/data/gsm8k (split train), row 1: no field 'prompt' (data.prompt_field); the row has "
+     "['answer', 'messages', 'question', 'reward_model']; fix the row or set data.prompt_field to the column"),
+    ("dataset split", ["--config", str(GRPO), "--data.init_args.source", "{d}/data/gsm8k",
+                       "--data.init_args.prompt_field", "question", "--data.init_args.split", "validation"],
+     "data.split: {d}/data/gsm8k has no split 'validation'; use one of train, test (data.split)"),
+    ("dataset subset", ["--config", str(GRPO), "--data.init_args.source", "{d}/data/gsm8k_repo",
+                        "--data.init_args.prompt_field", "question", "--data.init_args.subset", "socratics"],
+     "data.subset: {d}/data/gsm8k_repo has no subset 'socratics'; use one of main, socratic (data.subset)"),
     ("prompt over the limit", ["--config", str(GRPO), "--data.init_args.source", "{d}/data/long.jsonl",
                                "--data.init_args.batch_size", "1", "--data.init_args.max_prompt_length", "64",
                                "--data.init_args.truncation", "error"],

@@ -24,8 +24,9 @@ from torch.utils.data import DataLoader, Dataset
 
 from lit_rl.data.density import EmbeddingCache, StaleEmbeddingCacheError, density_weights_for
 from lit_rl.data.heldout import split_held_out
+from lit_rl.data.rows import Messages
 from lit_rl.data.sentiment import review_openings
-from lit_rl.data.tasks import arithmetic_prompts, read_records
+from lit_rl.data.tasks import arithmetic_prompts, read_source
 
 _SUBCOMMANDS = ("fit", "validate", "test", "predict")
 _SUBCOMMAND_OPTIONS = ("--ckpt_path", "--verbose", "--return_predictions")  # options `lit-rl embed` does not take
@@ -63,7 +64,7 @@ class _Records(Dataset):
 
 
 class PromptDataModule(L.LightningDataModule):
-    """Prompts from a built-in task or a local JSONL / Parquet file, sampled uniformly or by density.
+    """Prompts from a built-in task, a JSONL / Parquet file or a Hugging Face dataset, sampled uniformly or by density.
 
     Each batch is a dict: ``input_ids`` and ``attention_mask`` ``[B, P]`` (left-padded, so generation
     continues every row at the same position), ``prompts`` (the templated strings), ``answers``,
@@ -72,9 +73,18 @@ class PromptDataModule(L.LightningDataModule):
     Args:
         source: ``arithmetic`` (generated questions with integer answers), ``reviews`` (movie-review openings to
             continue, answers are the opening's tone; see :mod:`lit_rl.data.sentiment`, whose fixed held-out fifth
-            ``val_size`` draws from), or a path to a ``.jsonl`` / ``.parquet`` file.
-        prompt_field: column holding the prompt text (files only).
-        answer_field: column holding what reward functions compare against; ``null`` when no reward needs it.
+            ``val_size`` draws from), a path to a ``.jsonl`` / ``.parquet`` file, a folder ``save_to_disk`` wrote,
+            or a hub dataset id such as ``openai/gsm8k`` (needs ``pip install 'lit-rl[datasets]'``; see
+            :mod:`lit_rl.data.hub` for when a large one is streamed).
+        prompt_field: column holding the prompt (files and datasets): a string, or a list of ``{"role", "content"}``
+            messages that the chat template renders as it is (system turns included; ``instruction`` and
+            ``system_prompt`` are not added to it). Dots reach into nested columns.
+        answer_field: column holding what reward functions compare against (dots reach into nested columns, e.g.
+            ``reward_model.ground_truth``); ``null`` when no reward needs it.
+        subset: the hub dataset's subset (configuration), e.g. ``main`` for ``openai/gsm8k``; ``null`` when it has one.
+        split: the dataset split to train on (``train``, or a slice such as ``train[:1000]``).
+        streaming: stream a hub split instead of downloading it whole; ``null`` streams splits over 1 GiB.
+        max_rows: read at most this many rows of a file or dataset (the first ones); ``null`` for all.
         num_prompts: how many arithmetic questions or review openings to generate.
         difficulty: arithmetic difficulty, 1 (single-digit addition) to 5.
         instruction: appended to every prompt (the arithmetic task asks for just the number); ``null`` for none.
@@ -97,7 +107,8 @@ class PromptDataModule(L.LightningDataModule):
         num_workers: DataLoader workers.
         val_size: held-out prompts taken from ``source`` (distinct prompt texts, drawn with ``seed``; no training
             row keeps one), for ``val``/``test`` evaluation; 0 with no ``val_source``: no held-out set.
-        val_source: a ``.jsonl`` / ``.parquet`` file of held-out prompts (same fields as ``source``) instead.
+        val_source: a file or dataset of held-out prompts (same fields as ``source``) instead.
+        val_split: the split of ``val_source`` when it is a dataset (default: ``split``), e.g. ``test``.
         val_batch_size: held-out prompts per evaluation batch (default ``batch_size``).
     """
 
@@ -106,6 +117,10 @@ class PromptDataModule(L.LightningDataModule):
         source: str = "arithmetic",
         prompt_field: str = "prompt",
         answer_field: str | None = "answer",
+        subset: str | None = None,
+        split: str = "train",
+        streaming: bool | None = None,
+        max_rows: int | None = None,
         num_prompts: int = 2000,
         difficulty: int = 1,
         instruction: str | None = "Answer with just the number.",
@@ -123,6 +138,7 @@ class PromptDataModule(L.LightningDataModule):
         num_workers: int = 0,
         val_size: int = 0,
         val_source: str | None = None,
+        val_split: str | None = None,
         val_batch_size: int | None = None,
     ) -> None:
         super().__init__()
@@ -144,6 +160,7 @@ class PromptDataModule(L.LightningDataModule):
         self._sampler_state: dict[str, Any] | None = None
         self.density_stats: dict[str, float] = {}
         self.density_weights: np.ndarray | None = None
+        self.message_prompts = False  # whether any prompt is a message list (then the chat template is required)
 
     # ------------------------------------------------------------------ wiring
     def connect(
@@ -159,6 +176,8 @@ class PromptDataModule(L.LightningDataModule):
         self.tokenizer = tokenizer
         self._embed_model = embed_model
         self._model_id = model_id
+        if self.message_prompts:  # refused now, before the first batch, if the tokenizer cannot render them
+            self._check_chat_template()
 
     def prepare_records(self) -> list[dict[str, Any]]:
         """Read or generate the prompt records (cached after the first call)."""
@@ -170,12 +189,29 @@ class PromptDataModule(L.LightningDataModule):
             elif hp.source == "arithmetic":
                 self.records = arithmetic_prompts(hp.num_prompts, difficulty=hp.difficulty, seed=hp.seed)
             else:
-                self.records = read_records(hp.source, prompt_field=hp.prompt_field, answer_field=hp.answer_field)
+                self.records = self._read(hp.source, hp.split)
             if hp.source != "reviews":
                 self.records, self.held_out = split_held_out(self.records, hp.val_size, seed=hp.seed)
             if hp.val_source is not None:
-                self.held_out = read_records(hp.val_source, prompt_field=hp.prompt_field, answer_field=hp.answer_field)
+                self.held_out = self._read(hp.val_source, hp.val_split or hp.split)
+            self.message_prompts = any(
+                not isinstance(r["prompt"], str) for r in [*self.records, *(self.held_out or [])]
+            )
+            if self.message_prompts and (hp.instruction or hp.system_prompt):
+                rank_zero_warn(
+                    "data.instruction / data.system_prompt are not added to message-list prompts, which the chat "
+                    "template renders as they are; set them to null to silence this"
+                )
+            if self.tokenizer is not None and self.message_prompts:
+                self._check_chat_template()
         return self.records
+
+    def _read(self, source: str, split: str) -> list[dict[str, Any]]:
+        hp = self.hparams
+        return read_source(
+            source, prompt_field=hp.prompt_field, answer_field=hp.answer_field, max_rows=hp.max_rows,
+            subset=hp.subset, split=split, streaming=hp.streaming,
+        )  # fmt: skip
 
     def held_out_records(self) -> list[dict[str, Any]]:
         """The held-out prompts (``val_source`` or ``val_size`` of ``source``); empty without either."""
@@ -186,9 +222,16 @@ class PromptDataModule(L.LightningDataModule):
         self.prepare_records()
 
     # ------------------------------------------------------------------ formatting
-    def format_prompt(self, prompt: str) -> str:
-        """The text the model sees: instruction appended, chat template applied when set and the tokenizer has one."""
+    def format_prompt(self, prompt: str | Messages) -> str:
+        """The text the model sees: instruction appended, chat template applied when set and the tokenizer has one.
+
+        A message list goes through the chat template as it is, with the assistant's turn opened
+        (``add_generation_prompt=True``); it needs ``chat_template: true`` and a tokenizer that has a template.
+        """
         hp = self.hparams
+        if not isinstance(prompt, str):
+            self._check_chat_template()
+            return self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
         content = f"{prompt} {hp.instruction}" if hp.instruction else prompt
         if not hp.chat_template:
             return content  # continued as it is: no newline that would end the sentence
@@ -197,6 +240,20 @@ class PromptDataModule(L.LightningDataModule):
             messages.append({"role": "user", "content": content})
             return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return f"{hp.system_prompt}\n\n{content}\n" if hp.system_prompt else f"{content}\n"
+
+    def _check_chat_template(self) -> None:
+        """Refuse message-list prompts that cannot be rendered: no chat template wanted, or none in the tokenizer."""
+        if not self.hparams.chat_template:
+            raise ValueError(
+                "data.chat_template: false, but the prompts are message lists, which only a chat template renders; "
+                "set data.chat_template: true or give a prompt field of plain strings"
+            )
+        if not getattr(self.tokenizer, "chat_template", None):
+            model = f" of {self._model_id}" if self._model_id else ""
+            raise ValueError(
+                f"data.prompt_field: the prompts are message lists, but the tokenizer{model} has no chat template; "
+                "use a chat (instruct) model, or give a prompt field of plain strings"
+            )
 
     def collate(self, items: list[dict[str, Any]]) -> dict[str, Any]:
         if self.tokenizer is None:

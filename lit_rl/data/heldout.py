@@ -7,8 +7,14 @@ questions in the training set and the held-out score would measure memorisation.
 
 from __future__ import annotations
 
+import json
 import random
 from typing import Any
+
+
+def _key(prompt: Any) -> str:
+    """A hashable form of a prompt: the string itself, or a message list as canonical JSON."""
+    return prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True)
 
 
 def split_held_out(
@@ -29,7 +35,7 @@ def split_held_out(
         return records, []
     first_row: dict[str, dict[str, Any]] = {}
     for record in records:
-        first_row.setdefault(record["prompt"], record)
+        first_row.setdefault(_key(record["prompt"]), record)
     distinct = list(first_row)
     if size >= len(distinct):
         raise ValueError(
@@ -37,6 +43,6 @@ def split_held_out(
             f"prompts; lower val_size, raise num_prompts or difficulty, or give data.val_source"
         )
     held = set(random.Random(seed).sample(distinct, size))
-    train = [r for r in records if r["prompt"] not in held]
+    train = [r for r in records if _key(r["prompt"]) not in held]
     held_out = [first_row[p] for p in distinct if p in held]
     return train, held_out

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from lit_rl.data.answers import gsm8k_final, last_boxed, reference_answer, same_answer, tagged
+
 RewardFn = Callable[..., Sequence[float]]
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
@@ -41,6 +43,51 @@ def correct_answer(completions: list[str], answers: list[Any], **_: Any) -> list
 def number_only(completions: list[str], **_: Any) -> list[float]:
     """1.0 when the completion is just a number (what the arithmetic prompt asks for), else 0.0."""
     return [float(_NUMBER.fullmatch(c.strip().rstrip(".").replace(",", "")) is not None) for c in completions]
+
+
+def gsm8k_answer(completions: list[str], answers: list[Any], **_: Any) -> list[float]:
+    """1.0 when the completion's ``#### <number>`` line equals the reference's, else 0.0.
+
+    The reference may be a whole GSM8K solution (``... #### 42``, the ``answer`` field of ``openai/gsm8k``) or the
+    number alone; ``$``, thousands commas and a trailing period are dropped on both sides. No such line, or two that
+    disagree, scores 0 (:func:`lit_rl.data.answers.gsm8k_final`).
+    """
+    return [float(same_answer(gsm8k_final(c), reference_answer(a))) for c, a in zip(completions, answers)]
+
+
+def boxed_answer(completions: list[str], answers: list[Any], **_: Any) -> list[float]:
+    r"""1.0 when the completion's last ``\boxed{...}`` equals the reference's final answer (MATH), else 0.0.
+
+    The reference may be a whole MATH solution (its last box is read) or the answer itself; ``\frac{1}{2}``, ``1/2``
+    and ``0.5`` agree (:func:`lit_rl.data.answers.same_answer`). No box, an empty box, or boxes that disagree score 0.
+    """
+    return [float(same_answer(last_boxed(c), reference_answer(a))) for c, a in zip(completions, answers)]
+
+
+def tagged_answer(completions: list[str], answers: list[Any], **_: Any) -> list[float]:
+    """1.0 when the completion's ``<answer>...</answer>`` equals the reference's final answer, else 0.0.
+
+    Compared as :func:`boxed_answer` compares (a box inside the tag is unwrapped); no tag, an empty one, or two that
+    disagree score 0.
+    """
+    return [float(same_answer(tagged(c), reference_answer(a))) for c, a in zip(completions, answers)]
+
+
+_THINK_ANSWER = re.compile(r"\s*<think>(.*?)</think>\s*<answer>(.*?)</answer>\s*", re.S)
+
+
+def think_answer_format(completions: list[str], **_: Any) -> list[float]:
+    """1.0 when the completion is ``<think>...</think>`` then ``<answer>...</answer>`` and nothing else, else 0.0.
+
+    The format DeepSeek-R1 (Guo et al. 2025) asks for and TRL's GRPO examples reward: each tag once, both non-empty,
+    only white space around them. Whether the answer is right is :func:`tagged_answer`'s job.
+    """
+    rewards = []
+    for c in completions:
+        match = _THINK_ANSWER.fullmatch(c)
+        once = c.count("<think>") == c.count("<answer>") == 1
+        rewards.append(float(bool(match and once and match.group(1).strip() and match.group(2).strip())))
+    return rewards
 
 
 def resolve_reward_fn(path: str, *, field: str = "reward_funcs") -> RewardFn:

@@ -1,7 +1,9 @@
-"""Built-in prompt sources: the generated arithmetic task and local JSONL / Parquet files.
+"""Built-in prompt sources: the generated arithmetic task, local JSONL / Parquet files, and the dispatch to Hugging
+Face datasets (:mod:`lit_rl.data.hub`).
 
-A source yields records ``{"prompt": str, "answer": Any}``; the prompt is the user message before
-the chat template, the answer is whatever the reward functions compare against.
+A source yields records ``{"prompt": str | list[dict], "answer": Any}``; the prompt is the user message before
+the chat template (or a whole conversation, see :mod:`lit_rl.data.rows`), the answer is whatever the reward
+functions compare against.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ import json
 import random
 from pathlib import Path
 from typing import Any
+
+from lit_rl.data.rows import check_rows
 
 # difficulty -> (operators, range of the first operand, range of the second operand)
 _LEVELS: dict[int, tuple[str, tuple[int, int], tuple[int, int]]] = {
@@ -50,19 +54,58 @@ def arithmetic_prompts(num_prompts: int, *, difficulty: int = 1, seed: int = 0) 
     return records
 
 
+FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
+
+
+def read_source(
+    source: str,
+    *,
+    prompt_field: str = "prompt",
+    answer_field: str | None = "answer",
+    max_rows: int | None = None,
+    **dataset_options: Any,
+) -> list[dict[str, Any]]:
+    """Read ``{prompt, answer}`` records from a JSONL / Parquet file or a Hugging Face dataset, checking every row.
+
+    A path ending in ``.jsonl``, ``.json`` or ``.parquet`` is a file; anything else is a dataset, either a folder
+    (``save_to_disk``, or a hub repository's layout) or a hub id, read by :func:`lit_rl.data.hub.read_dataset`.
+
+    Args:
+        max_rows: keep at most this many rows, the first ones; ``None`` for all.
+        dataset_options: ``subset``, ``split`` and ``streaming`` of :func:`lit_rl.data.hub.read_dataset`; a file
+            has none of them and ignores them.
+
+    Raises:
+        FileNotFoundError: a file source that does not exist.
+        ValueError: a bad row, or a dataset subset, split or setting that does not fit; see :func:`read_records`
+            and :func:`lit_rl.data.hub.read_dataset`.
+    """
+    if max_rows is not None and max_rows < 1:
+        raise ValueError(f"data.max_rows: must be >= 1, got {max_rows}; set it to 1 or more, or null for every row")
+    fields = {"prompt_field": prompt_field, "answer_field": answer_field}
+    if Path(source).suffix in FILE_SUFFIXES:
+        return read_records(source, **fields)[:max_rows]
+    from lit_rl.data.hub import read_dataset
+
+    return read_dataset(source, **fields, max_rows=max_rows, **dataset_options)
+
+
 def read_records(
     path: str | Path, *, prompt_field: str = "prompt", answer_field: str | None = "answer"
 ) -> list[dict[str, Any]]:
-    """Read ``{prompt, answer}`` records from a JSONL or Parquet file, checking every row.
+    """Read ``{prompt, answer}`` records from a JSONL or Parquet file, checking every row (:func:`check_rows`).
 
     Raises:
         FileNotFoundError: the file does not exist.
-        ValueError: the file is empty, a row is not valid JSON, or a row lacks a configured field;
-            the message names the file, the 1-based row and the field.
+        ValueError: the file is empty, a row is not valid JSON, lacks a configured field or holds a prompt that is
+            neither a string nor a message list; the message names the file, the 1-based row and the field.
     """
     path = Path(path).expanduser()
     if not path.is_file():
-        raise FileNotFoundError(f"data.source: {path} does not exist; give a .jsonl or .parquet file, or 'arithmetic'")
+        raise FileNotFoundError(
+            f"data.source: {path} does not exist; give a .jsonl or .parquet file, a dataset folder or hub id, "
+            "or 'arithmetic'"
+        )
     if path.suffix in (".jsonl", ".json"):
         rows = list(_jsonl_rows(path))
     elif path.suffix == ".parquet":
@@ -75,20 +118,7 @@ def read_records(
         raise ValueError(f"data.source: {path} has suffix {path.suffix!r}; use a .jsonl or .parquet file")
     if not rows:
         raise ValueError(f"data.source: {path} has no rows; give a file with one prompt per row")
-    records = []
-    for i, row in enumerate(rows, start=1):
-        for name, field in (("prompt_field", prompt_field), ("answer_field", answer_field)):
-            if field is not None and (field not in row or row[field] is None):
-                raise ValueError(
-                    f"data.{name}: {path}, row {i}: no field {field!r} (data.{name}); the row has {sorted(row)}; "
-                    f"fix the row or set data.{name} to the column that holds it"
-                )
-        if not isinstance(row[prompt_field], str) or not row[prompt_field].strip():
-            raise ValueError(
-                f"data.source: {path}, row {i}: field {prompt_field!r} must be a non-empty string; fix the row"
-            )
-        records.append({"prompt": row[prompt_field], "answer": row[answer_field] if answer_field else None})
-    return records
+    return list(check_rows(rows, str(path), prompt_field=prompt_field, answer_field=answer_field))
 
 
 def _jsonl_rows(path: Path):
