@@ -1,0 +1,87 @@
+"""What the memory-plan study needs beyond logged scalars: the plans themselves, and the step time of each run.
+
+``before`` asks the planner for each planned arm's budget (``lit-rl estimate --config C --device-memory B --allow A
+--plan <results>/plan_<arm>.yaml``), the file the arm's ``--config {results}/plan_<arm>.yaml`` applies; ``plan``
+shows what the plan turned on, ``fits`` compares the run's measured tensor peak with the budget, ``step`` is the
+median of the run's summed phase times.
+"""
+
+from __future__ import annotations
+
+import shlex
+import statistics
+import sys
+from pathlib import Path
+
+import harness
+import yaml
+
+GIB = 2**30
+
+
+def _budget(study: dict, spec: dict) -> str | None:
+    return spec.get("quick_budget" if study["runtime"].quick else "budget")
+
+
+def before(study: dict, results: Path) -> None:
+    """A plan file per planned arm, from the planner itself."""
+    runtime = study["runtime"]
+    config = study["quick"]["config"] if runtime.quick else study["config"]
+    results.mkdir(parents=True, exist_ok=True)
+    for name, spec in study["arms"].items():
+        budget = _budget(study, spec)
+        if budget is None:
+            continue
+        cmd = [sys.executable, "-m", "lit_rl", "estimate", "--config", config, "--device-memory", budget,
+               "--allow", spec.get("allow", ""), "--plan", str(results / f"plan_{name}.yaml")]  # fmt: skip
+        print(f"+ {shlex.join(cmd)}", file=sys.stderr, flush=True)
+        harness.run_measured(cmd, None, harness.thread_env(runtime.threads))
+
+
+def _plan_file(arm) -> Path | None:
+    for i, value in enumerate(arm.overrides[:-1]):
+        if value == "--config" and Path(arm.overrides[i + 1]).name.startswith("plan_"):
+            return Path(arm.overrides[i + 1])
+    return None
+
+
+def plan(arm) -> str:
+    path = _plan_file(arm)
+    if path is None:
+        return "—"
+    fragment = yaml.safe_load(path.read_text()) or {}
+    parts = [f"{k}: {v}" for k, v in (fragment.get("model", {}).get("init_args") or {}).items() if v is not None]
+    if "optimizer" in fragment:
+        parts.append(fragment["optimizer"]["class_path"].rsplit(".", 1)[-1])
+    trainer = fragment.get("trainer", {})
+    if "precision" in trainer:
+        parts.append(f"precision: {trainer['precision']}")
+    for callback in trainer.get("callbacks+", []):
+        parts.append(f"checkpoint every {callback['init_args']['every_n_layers']}")
+    return ", ".join(parts) or "the config as it is"
+
+
+def budget(arm) -> str:
+    text = arm.spec.get("budget") if arm.spec else None
+    return text or "—"
+
+
+def fits(arm) -> str:
+    path = _plan_file(arm)
+    peaks = arm.values("memory/step/peak_gib")
+    if path is None or not peaks:
+        return "—"
+    line = path.read_text().splitlines()[1]  # "# budget 2.00 GiB; apply: ..."
+    number, unit = line.split()[2:4]
+    limit = float(number) * {"GiB": 1, "MiB": 1 / 1024, "KiB": 1 / 2**20}[unit.rstrip(";")]
+    return "yes" if max(peaks) <= limit else "NO"
+
+
+def step(arm) -> str:
+    seconds = harness.training_seconds(arm.run_dir)
+    steps = sorted(seconds)
+    each = [seconds[b] - seconds[a] for a, b in zip(steps, steps[1:])][1:]  # the first step warms up
+    return f"{statistics.median(each):.2f}" if each else "—"
+
+
+cells = {"plan": plan, "budget": budget, "fits": fits, "step": step}
