@@ -18,6 +18,10 @@ Every subcommand is parsed the same way: the arguments of a run (``--config`` fi
 ``--data.*``, ``--trainer.*``) are checked by :func:`lit_rl.cli_errors.check_run_arguments` and then read by
 :class:`LitRLCLI` (jsonargparse); a subcommand's own options (``estimate``, ``export``) by an
 :class:`~lit_rl.cli_errors.OptionParser`, whose mistakes are the same one line.
+
+From Python: :class:`LitRLCLI` is the CLI class (``LitRLCLI(args=[...], run=False)`` builds a run without starting
+it), :func:`parse_fit_config` a fit config's method, datamodule and trainer settings without a Trainer (what
+``lit-rl estimate`` reads), and :func:`main` the console script.
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ from lit_rl.cli_errors import OptionParser, check_checkpoint, check_command, che
 from lit_rl.memory.estimate import BUILTIN_SHAPES, Estimate, estimate_step, parse_bytes, settings_from
 from lit_rl.memory.fit import fit_report
 from lit_rl.methods.base import RLMethod
+
+__all__ = ["LitRLCLI", "main", "parse_fit_config"]
 
 
 class LitRLCLI(LightningCLI):

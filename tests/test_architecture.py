@@ -322,12 +322,12 @@ def test_the_bench_import_check_finds_each_kind_of_import(tmp_path, monkeypatch)
     script = tmp_path / "script.py"
     script.write_text(
         "import harness\nfrom lit_rl.ops import token_stats\n"  # allowed
-        "import other\nfrom lit_rl.ops.token_math import plan_chunks\nfrom lit_rl.ops import plan_chunks\n"
+        "import other\nfrom lit_rl.ops.token_math import block_logits\nfrom lit_rl.ops import block_logits\n"
         "def lazy():\n    import lit_rl.memory.tracker\n"
     )
     problems = _bench_problems(script)
     assert len(problems) == 4, problems
     assert any("bench script other" in p for p in problems)
     assert any("lit_rl.ops.token_math: not a package" in p for p in problems)
-    assert any("['plan_chunks'] from lit_rl.ops" in p for p in problems)
+    assert any("['block_logits'] from lit_rl.ops" in p for p in problems)
     assert any("lit_rl.memory.tracker" in p for p in problems)
