@@ -251,8 +251,9 @@ def test_a_phase_the_method_did_not_declare_is_refused():
 
 # ------------------------------------------------------------------------------------------------ bench/
 BENCH = ROOT / "bench"
-# bench modules any bench file may import: the shared harness and the figure helpers
-BENCH_SHARED = {"harness", "plots"}
+# the bench modules that are not scripts, which a bench file may import: the shared harness, the figure helpers, and
+# the legacy GumbelTopK baseline (a method subclass, no main) that bench_gumbel_topk.py measures and its test checks
+BENCH_SHARED = {"harness", "plots", "gumbel_legacy"}
 # TEMPORARY: fit scripts being converted to YAML studies run by bench/study.py; each is deleted by its conversion,
 # and this set with them
 CONVERTING = {
