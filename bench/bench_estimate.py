@@ -297,7 +297,8 @@ def main(argv: list[str] | None = None) -> str:
     )
     parser.add_argument(
         "--bytes", nargs="?", type=Path, const=RESULTS / "estimate_bytes.json", metavar="JSON",
-        help="write every config's exact predicted bytes as JSON (default bench/results/estimate_bytes.json), then exit",
+        help="write every config's exact predicted bytes as JSON (default bench/results/estimate_bytes.json); "
+        "nothing is run",
     )  # fmt: skip
     parser.add_argument("--out", default=str(RESULTS / "estimate_validation.md"), help="results file; - prints only")
     opts = parser.parse_args(argv)

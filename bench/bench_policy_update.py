@@ -45,9 +45,9 @@ the same resident bytes for every method compared here.
     ``RefCachedGRPO`` at the same shapes beside them; on CUDA the allocator's ``max_memory_allocated`` per phase.
     Printed as one JSON line after ``POINT``.
 
-Run (prints markdown tables; about 5 minutes on 2 CPU cores)::
+Run (prints markdown tables; about 5 minutes on 2 CPU cores; ``--out`` also writes them as a results file)::
 
-    python bench/bench_policy_update.py
+    python bench/bench_policy_update.py --out bench/results/policy_update.md
     python bench/bench_policy_update.py --quick           # smoke test, seconds; targets not meaningful
     python bench/bench_policy_update.py --point --vocabs 32000 --completion-len 128
 """
@@ -65,6 +65,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import harness
 import torch
@@ -106,6 +107,7 @@ class BenchConfig:
     dtype: str = "float32"
     parts: tuple[str, ...] = ("A", "B")
     quick: bool = False
+    out: Path | None = None  # results file
     point: bool = False  # one sweep point (S) instead of parts A and B
     device: str = "cpu"
     precision: str = "32-true"  # the point's estimate
@@ -528,7 +530,8 @@ def point(cfg: BenchConfig) -> dict:
     if cfg.device == "cuda":
         model = model.to("cuda")
         batch = Batch(*(t.to("cuda") for t in batch.tensors()), batch.prompt_len)
-    result = {"vocab": vocab, "length": cfg.completion_len, "peaks": {}, "seconds": {}, "config": dataclasses.asdict(cfg),
+    shape = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "out"}  # JSON-able settings
+    result = {"vocab": vocab, "length": cfg.completion_len, "peaks": {}, "seconds": {}, "config": shape,
               "device_name": torch.cuda.get_device_name(0) if cfg.device == "cuda" else "CPU"}  # fmt: skip
     for impl, (reference, update) in IMPLEMENTATIONS.items():
         phases = [("reference", reference), ("update", update)]
@@ -602,6 +605,7 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], help="weights' dtype (default float32)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="--point: where it runs (default cpu)")
     p.add_argument("--precision", default="32-true", help="--point: the estimate's trainer.precision")
+    p.add_argument("--out", type=Path, help="also write the tables to this results file, with its header")
     a = p.parse_args(argv)
     cfg = BenchConfig(seed=a.seed, quick=a.quick, parts=tuple(a.parts.upper()), point=a.point, device=a.device,
                       precision=a.precision, dtype=a.dtype or "float32")  # fmt: skip
@@ -620,6 +624,7 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         p.error("part A compares two vocab sizes: pass --vocabs V1,V2")
     if not set(cfg.parts) <= {"A", "B"}:
         p.error(f"--parts takes A, B or AB, got {a.parts!r}")
+    cfg.out = a.out
     return cfg
 
 
@@ -634,11 +639,38 @@ def main(argv: list[str] | None = None) -> str:
             result = point(cfg)
             harness.report(POINT_MARK, result)
             return json.dumps(result)
-        text = run(cfg, "python bench/bench_policy_update.py " + shlex.join(sys.argv[1:] if argv is None else argv))
+        argv = sys.argv[1:] if argv is None else argv
+        loads = [harness.load_average()]
+        text = run(cfg, "python bench/bench_policy_update.py " + shlex.join(argv))
+        loads.append(harness.load_average())
     finally:
         gc.unfreeze()
     print(text)
+    if cfg.out is not None:
+        header = harness.header_lines(
+            "Policy-update memory: logits-free lit-rl vs full-logits (GRPO and Intuitor)",
+            "python bench/bench_policy_update.py --out bench/results/policy_update.md",
+            this_file=shlex.join(["python", "bench/bench_policy_update.py", *argv]),
+            loads=loads,
+            threads=torch.get_num_threads(),
+            dists=("torch", "transformers"),
+        )
+        body = text.split("\n", 2)[2]  # without its Command line: the header has it
+        cfg.out.write_text("\n".join([*header, *COMPARED, body]) + "\n")
+        log(f"wrote {cfg.out}")
     return text
+
+
+COMPARED = [
+    "Exact bytes held by CPU tensors (`TensorMemoryTracker`), resident weights included; no allocator caching. "
+    "**total peak** is the highest tensor bytes during the phase, weights included; **above resident** is total peak "
+    "minus the parameter bytes at the start, i.e. what the update itself allocates (activations, logits or logits "
+    "blocks, temporaries, gradients). The weights are the same for both implementations but grow with V (the tied "
+    '`[V, H]` embedding), so "the logits no longer set the peak" (A1) is judged above resident; both ratios are '
+    "printed for A2 and B. The full-logits reference is the generous form: `logits_to_keep = C + 1`, temperature 1 "
+    "(no extra `[B, C, V]` copy), float32 weights (`.float()` is a no-op).",
+    "",
+]
 
 
 def run(cfg: BenchConfig, cmd: str) -> str:
