@@ -114,9 +114,10 @@ def provenance(fit: list[str], steps: int, run_s: float, loads: list[float], pha
     )
     lines += [f"The run: `{shown}` ({steps} steps, {run_s:.0f} s), into a temporary folder. Its steady-state peaks "
               "per phase (`memory_summary.json`), what the page charts:", "",
-              "| phase | peak GiB (`memory/<phase>/peak_gib`) | predicted GiB |", "| --- | ---: | ---: |"]  # fmt: skip
+              "| phase | steady-state peak GiB (`memory/<phase>/peak_gib`) | predicted GiB |", "| --- | ---: | ---: |"]  # fmt: skip
     for phase, stats in phases.items():
-        cells = [stats.get(key) for key in ("peak_gib", "predicted_gib")]
+        peak = stats.get("peak_gib")  # {"max", "mean", "steady"} over the run's steps
+        cells = [peak.get("steady") if isinstance(peak, dict) else peak, stats.get("predicted_gib")]
         lines.append(f"| {phase} | " + " | ".join("-" if c is None else f"{c:.3f}" for c in cells) + " |")
     return "\n".join(lines) + "\n"
 
