@@ -29,7 +29,6 @@ Run (about 40 minutes on 2 CPU cores; 1,024 new tokens take most of it)::
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -38,9 +37,14 @@ import harness
 import torch
 
 from lit_rl.data import PromptDataModule
-from lit_rl.models import load_causal_lm, load_tokenizer, sample_completions
-from lit_rl.models.compiled_decode import compile_seconds, compile_unsupported
-from lit_rl.models.decode import decode_unsupported
+from lit_rl.models import (
+    compile_seconds,
+    compile_unsupported,
+    decode_unsupported,
+    load_causal_lm,
+    load_tokenizer,
+    sample_completions,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -125,7 +129,7 @@ def measure(model, tokenizer, ids, mask, args, sides: list[str]) -> list[tuple]:
         loads = []
         for _ in range(args.rounds):
             for side in sides:
-                loads.append(os.getloadavg()[0])
+                loads.append(harness.load_average())
                 seconds, outs[side] = run(model, tokenizer, ids, mask, args, length, side)
                 times[side].append(seconds)
                 print(f"{length} new tokens, {side}: {seconds:.1f} s", flush=True)

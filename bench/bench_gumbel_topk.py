@@ -42,8 +42,6 @@ import contextlib
 import gc
 import io
 import logging
-import os
-import platform
 import sys
 import tempfile
 import time
@@ -51,21 +49,21 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import harness
 import lightning as L
 import torch
 from gumbel_legacy import LegacyGumbelTopK
-from harness import git_commit
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lit_rl.callbacks import MemoryProfiler
 from lit_rl.data import PromptDataModule
-from lit_rl.memory.estimate import GIB, MIB, estimate_step
-from lit_rl.memory.tracker import CATEGORIES
+from lit_rl.memory import CATEGORIES, estimate_step
 from lit_rl.methods import GumbelTopK
-from lit_rl.models.tiny import tiny_config, tiny_tokenizer
+from lit_rl.models import tiny_config, tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
+MIB, GIB = 2**20, 2**30
 
 VOCABS = (49_152, 151_936)
 TOKENS = (32, 64, 128)
@@ -433,7 +431,9 @@ def run(opts: argparse.Namespace) -> list[Case]:
     return cases
 
 
-def report(cases: list[Case], cmd: str, wall: float, mass: tuple[float, float, int, int] | None) -> str:
+def report(
+    cases: list[Case], cmd: str, wall: float, mass: tuple[float, float, int, int] | None, loads: list[float]
+) -> str:
     measured = [c for c in cases if not c.skipped]
     masses: dict[tuple[int, str], list[float]] = {}
     for c in measured:
@@ -442,11 +442,15 @@ def report(cases: list[Case], cmd: str, wall: float, mass: tuple[float, float, i
     worst = max(abs(c.error(p)) for c in measured for p in (*PHASES, None))
     width, padded = next((c.shapes[-1] for c in cases if c.shapes), (None, None))
     text = [
-        f"Command: `{cmd}`",
-        "",
-        f"lit_rl at commit `{git_commit()}`. Machine: `{platform.platform()}`, {os.cpu_count()} cores "
-        f"({torch.get_num_threads()} torch threads, shared with other jobs), torch {torch.__version__}. Tensor bytes "
-        f"do not depend on the machine's load; the wall times do. Total wall time: {wall:.0f} s.",
+        *harness.header_lines(
+            "GumbelTopK: the memory of one step, measured and predicted",
+            "python bench/bench_gumbel_topk.py",
+            this_file=cmd,
+            loads=loads,
+            threads=torch.get_num_threads(),
+            dists=("torch", "lightning", "transformers"),
+        ),
+        f"Total wall time: {wall:.0f} s.",
         "",
         "Models: random `LlamaForCausalLM` policy and `LlamaForSequenceClassification` reward model (num_labels=1), "
         "trunk hidden 256, intermediate 512, 4 layers, 4 heads (2 KV heads), tied embeddings, fp32, full fine-tuning; "
@@ -508,16 +512,14 @@ def main(argv: list[str] | None = None) -> str:
     out_dir = opts.out if opts.out is not None else (None if opts.quick else RESULTS)
     cmd = "python bench/bench_gumbel_topk.py" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
     print(f"bench_gumbel_topk: {'writing to ' + str(out_dir) if out_dir else 'printing only'}", file=sys.stderr)
-    start = time.perf_counter()
+    start, load = time.perf_counter(), harness.load_average()
     cases = run(opts)
     mass = None if opts.quick else trained_topk_mass()
-    text = report(cases, cmd, time.perf_counter() - start, mass)
+    text = report(cases, cmd, time.perf_counter() - start, mass, [load, harness.load_average()])
     print(text)
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "gumbel_topk.md").write_text(
-            f"# GumbelTopK: the memory of one step, measured and predicted\n\n{text}\n"
-        )
+        (out_dir / "gumbel_topk.md").write_text(f"{text}\n")
         plot(cases, out_dir / "gumbel_topk_peak_vs_length.png")
         print(f"wrote {out_dir / 'gumbel_topk.md'} and {out_dir / 'gumbel_topk_peak_vs_length.png'}", file=sys.stderr)
     return text

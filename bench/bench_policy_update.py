@@ -39,16 +39,25 @@ The reference passes use the policy's own weights under ``no_grad`` in eval mode
 LoRA reference (adapters disabled) costs; a full fine-tuning run would hold a frozen copy as well,
 the same resident bytes for every method compared here.
 
-Run (prints markdown tables; about 5 minutes on 2 CPU cores)::
+(S) ``--point``: one point of the vocabulary and length sweeps (``bench/sweeps.py`` runs one fresh process per
+    point): LoRA r16 on all linear layers (``LoraSettings()``), the no-grad ``reference`` pass and the ``update``
+    under one measurement, for both implementations, with ``estimate_step``'s first-step prediction for
+    ``RefCachedGRPO`` at the same shapes beside them; on CUDA the allocator's ``max_memory_allocated`` per phase.
+    Printed as one JSON line after ``POINT``.
 
-    python bench/bench_policy_update.py
+Run (prints markdown tables; about 5 minutes on 2 CPU cores; ``--out`` also writes them as a results file)::
+
+    python bench/bench_policy_update.py --out bench/results/policy_update.md
     python bench/bench_policy_update.py --quick           # smoke test, seconds; targets not meaningful
+    python bench/bench_policy_update.py --point --vocabs 32000 --completion-len 128
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
+import json
 import math
 import platform
 import shlex
@@ -56,18 +65,20 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
+import harness
 import torch
 
 # runnable from a checkout without `pip install -e .`
 import transformers
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from lit_rl.losses import group_advantages, grpo_loss, masked_mean
-from lit_rl.memory.tracker import TensorMemoryTracker
+from lit_rl.losses import LossSettings, group_advantages, grpo_loss, masked_mean
+from lit_rl.memory import TensorMemoryTracker, estimate_step
 from lit_rl.methods import RefCachedGRPO
-from lit_rl.models import lm_head
-from lit_rl.ops.token_math import LOGITS_BUDGET_BYTES, plan_chunks
+from lit_rl.models import LoraSettings, apply_lora, lm_head
+from lit_rl.ops import LOGITS_BUDGET_BYTES, plan_chunks
 
 MIB = 2**20
 QWEN_VOCAB = 151_936
@@ -96,6 +107,10 @@ class BenchConfig:
     dtype: str = "float32"
     parts: tuple[str, ...] = ("A", "B")
     quick: bool = False
+    out: Path | None = None  # results file
+    point: bool = False  # one sweep point (S) instead of parts A and B
+    device: str = "cpu"
+    precision: str = "32-true"  # the point's estimate
 
     @property
     def batch(self) -> int:
@@ -105,9 +120,9 @@ class BenchConfig:
 # --------------------------------------------------------------------------------------- model and data
 
 
-def build_model(cfg: BenchConfig, vocab: int) -> torch.nn.Module:
-    """A random-weight Qwen2-shaped causal LM (tied embeddings, as Qwen2.5-0.5B/1.5B/3B)."""
-    config = Qwen2Config(
+def model_config(cfg: BenchConfig, vocab: int) -> Qwen2Config:
+    """A Qwen2 config of the bench's shape (tied embeddings, as Qwen2.5-0.5B/1.5B/3B)."""
+    return Qwen2Config(
         vocab_size=vocab,
         hidden_size=cfg.hidden,
         intermediate_size=cfg.intermediate,
@@ -120,9 +135,12 @@ def build_model(cfg: BenchConfig, vocab: int) -> torch.nn.Module:
         bos_token_id=1,
         eos_token_id=2,
     )
+
+
+def build_model(cfg: BenchConfig, vocab: int) -> torch.nn.Module:
+    """A random-weight Qwen2-shaped causal LM."""
     torch.manual_seed(cfg.seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, cfg.dtype))
-    return model
+    return AutoModelForCausalLM.from_config(model_config(cfg, vocab), dtype=getattr(torch, cfg.dtype))
 
 
 def set_trainable(model: torch.nn.Module, setting: str) -> None:
@@ -460,6 +478,76 @@ def part_b(cfg: BenchConfig) -> tuple[list[str], list[tuple]]:
     return lines, targets
 
 
+# --------------------------------------------------------------------------------------- one sweep point
+
+POINT_MARK = "POINT "
+IMPLEMENTATIONS = {
+    "lit-rl logits-free": (reference_logits_free, update_logits_free),
+    "full-logits": (reference_full_logits, update_full_logits),
+}
+
+
+def measure_cuda(model, batch: Batch, phases: list[tuple[str, Callable]], cfg: BenchConfig):
+    """:func:`measure` on CUDA: ``(resident, {phase: the allocator's peak}, seconds)``."""
+    model.zero_grad(set_to_none=True)
+    gc.collect()
+    torch.cuda.synchronize()
+    state: dict = {}
+    peaks = {}
+    start = time.perf_counter()
+    resident = torch.cuda.memory_allocated()
+    for name, fn in phases:
+        torch.cuda.reset_peak_memory_stats()
+        fn(model, batch, cfg, state)
+        torch.cuda.synchronize()
+        peaks[name] = torch.cuda.max_memory_allocated()
+    seconds = time.perf_counter() - start
+    model.zero_grad(set_to_none=True)
+    return resident, peaks, seconds
+
+
+def predict(cfg: BenchConfig, vocab: int) -> dict[str, int]:
+    """``estimate_step``'s first-step peaks (no optimizer state yet, as measured) for the reference pass and the
+    update (``max(policy_forward, backward)``) of ``RefCachedGRPO`` at this point's shapes."""
+    method = RefCachedGRPO(
+        name_or_path="bench", lora=LoraSettings(), num_generations=cfg.num_generations,
+        max_new_tokens=cfg.completion_len, min_new_tokens=cfg.completion_len,
+        loss=LossSettings(beta=cfg.beta, loss_type=cfg.loss_type), temperature=cfg.temperature, share_prompt=False,
+    )  # fmt: skip
+    est = estimate_step(
+        method, batch_size=cfg.num_prompts, prompt_length=cfg.prompt_len, model_config=model_config(cfg, vocab),
+        precision=cfg.precision, padded=True, device_type=cfg.device,
+    )  # fmt: skip
+    first = est.first_step
+    return {"reference": first["reference"], "update": max(first["policy_forward"], first["backward"])}
+
+
+def point(cfg: BenchConfig) -> dict:
+    """Part S: one (vocabulary, completion length) point, measured for both implementations and predicted."""
+    vocab = cfg.vocabs[0]
+    model = apply_lora(build_model(cfg, vocab), LoraSettings())
+    batch = make_batch(cfg, vocab)
+    if cfg.device == "cuda":
+        model = model.to("cuda")
+        batch = Batch(*(t.to("cuda") for t in batch.tensors()), batch.prompt_len)
+    shape = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "out"}  # JSON-able settings
+    result = {"vocab": vocab, "length": cfg.completion_len, "peaks": {}, "seconds": {}, "config": shape,
+              "device_name": torch.cuda.get_device_name(0) if cfg.device == "cuda" else "CPU"}  # fmt: skip
+    for impl, (reference, update) in IMPLEMENTATIONS.items():
+        phases = [("reference", reference), ("update", update)]
+        if cfg.device == "cuda":
+            resident, peaks, seconds = measure_cuda(model, batch, phases, cfg)
+        else:
+            m = measure(model, batch, phases, cfg)
+            resident, peaks, seconds = m.resident, m.phases, m.seconds
+        result["resident"], result["peaks"][impl], result["seconds"][impl] = resident, peaks, seconds
+        log(f"  V={vocab:,} C={cfg.completion_len} {impl}: peak {mib(max(peaks.values()))} MiB, {seconds:.1f} s")
+    del model, batch
+    gc.collect()
+    result["predicted"] = predict(cfg, vocab)
+    return result
+
+
 # --------------------------------------------------------------------------------------- main
 
 
@@ -511,8 +599,16 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     p.add_argument("--completion-len", type=int, help="completion tokens C (default 96)")
     p.add_argument("--chunk-size", type=int, help="token_stats tokens per block (default: automatic plan)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--point", action="store_true", help="one sweep point at the first of --vocabs and --completion-len, as JSON"
+    )
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], help="weights' dtype (default float32)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="--point: where it runs (default cpu)")
+    p.add_argument("--precision", default="32-true", help="--point: the estimate's trainer.precision")
+    p.add_argument("--out", type=Path, help="also write the tables to this results file, with its header")
     a = p.parse_args(argv)
-    cfg = BenchConfig(seed=a.seed, quick=a.quick, parts=tuple(a.parts.upper()))
+    cfg = BenchConfig(seed=a.seed, quick=a.quick, parts=tuple(a.parts.upper()), point=a.point, device=a.device,
+                      precision=a.precision, dtype=a.dtype or "float32")  # fmt: skip
     if a.quick:
         cfg.hidden, cfg.intermediate, cfg.heads, cfg.kv_heads, cfg.layers = 64, 128, 4, 2, 1
         cfg.vocabs = (512, 2048)
@@ -524,10 +620,11 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         cfg.intermediate = a.hidden * cfg.intermediate // 896 if not a.quick else 2 * a.hidden
     if a.vocabs:
         cfg.vocabs = tuple(sorted(int(v) for v in a.vocabs.split(",")))
-    if len(cfg.vocabs) < 2 and "A" in cfg.parts:
+    if len(cfg.vocabs) < 2 and "A" in cfg.parts and not cfg.point:
         p.error("part A compares two vocab sizes: pass --vocabs V1,V2")
     if not set(cfg.parts) <= {"A", "B"}:
         p.error(f"--parts takes A, B or AB, got {a.parts!r}")
+    cfg.out = a.out
     return cfg
 
 
@@ -538,11 +635,42 @@ def main(argv: list[str] | None = None) -> str:
     gc.collect()
     gc.freeze()
     try:
-        text = run(cfg, "python bench/bench_policy_update.py " + shlex.join(sys.argv[1:] if argv is None else argv))
+        if cfg.point:
+            result = point(cfg)
+            harness.report(POINT_MARK, result)
+            return json.dumps(result)
+        argv = sys.argv[1:] if argv is None else argv
+        loads = [harness.load_average()]
+        text = run(cfg, "python bench/bench_policy_update.py " + shlex.join(argv))
+        loads.append(harness.load_average())
     finally:
         gc.unfreeze()
     print(text)
+    if cfg.out is not None:
+        header = harness.header_lines(
+            "Policy-update memory: logits-free lit-rl vs full-logits (GRPO and Intuitor)",
+            "python bench/bench_policy_update.py --out bench/results/policy_update.md",
+            this_file=shlex.join(["python", "bench/bench_policy_update.py", *argv]),
+            loads=loads,
+            threads=torch.get_num_threads(),
+            dists=("torch", "transformers"),
+        )
+        body = text.split("\n", 2)[2]  # without its Command line: the header has it
+        cfg.out.write_text("\n".join([*header, *COMPARED, body]) + "\n")
+        log(f"wrote {cfg.out}")
     return text
+
+
+COMPARED = [
+    "Exact bytes held by CPU tensors (`TensorMemoryTracker`), resident weights included; no allocator caching. "
+    "**total peak** is the highest tensor bytes during the phase, weights included; **above resident** is total peak "
+    "minus the parameter bytes at the start, i.e. what the update itself allocates (activations, logits or logits "
+    "blocks, temporaries, gradients). The weights are the same for both implementations but grow with V (the tied "
+    '`[V, H]` embedding), so "the logits no longer set the peak" (A1) is judged above resident; both ratios are '
+    "printed for A2 and B. The full-logits reference is the generous form: `logits_to_keep = C + 1`, temperature 1 "
+    "(no extra `[B, C, V]` copy), float32 weights (`.float()` is a no-op).",
+    "",
+]
 
 
 def run(cfg: BenchConfig, cmd: str) -> str:

@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import copy
 import logging
-import os
 import statistics
 import sys
 import time
@@ -332,7 +331,7 @@ def main(argv: list[str] | None = None) -> str:
     repeats = opts.repeats or (2 if opts.quick else 7)
     shapes = QUICK_SHAPES if opts.quick else SHAPES
     print(f"bench_quantize: {'writing to ' + str(out_dir) if out_dir else 'printing only'}", file=sys.stderr)
-    load_start = os.getloadavg()
+    load_start = harness.load_average()
     start = time.perf_counter()
     backends, missing = load_backends()
     found_checks = {b.name: checks(b) for b in backends}
@@ -343,7 +342,7 @@ def main(argv: list[str] | None = None) -> str:
                 rows.append(measure(b, dtype, shape, repeats))
                 print(f"  {b.name} {dtype_name} {shape}: {rows[-1].train_ms:.1f} ms", file=sys.stderr, flush=True)
     wall = time.perf_counter() - start
-    load_end = os.getloadavg()
+    load_end = harness.load_average()
     dense = {(r.dtype, r.shape): r for r in rows if r.backend.startswith("dense")}
     names = [b.name for b in backends]
     questions = list(next(iter(found_checks.values())).keys()) if found_checks else []
@@ -352,7 +351,7 @@ def main(argv: list[str] | None = None) -> str:
             "A 4-bit NF4 frozen base: bitsandbytes vs torchao",
             "OMP_NUM_THREADS=1 python bench/bench_quantize.py",
             this_file=cmd,
-            loads=[load_start[0], load_end[0]],
+            loads=[load_start, load_end],
             threads=torch.get_num_threads(),
             dists=("torch", "bitsandbytes", "torchao", "peft", "transformers"),
         ),

@@ -24,8 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from lit_rl.methods import GumbelTopK
-from lit_rl.methods.gumbel_topk import PolicyStepper, ReferenceStepper, SoftRollout
+from lit_rl.methods import GumbelTopK, PolicyStepper, ReferenceStepper, SoftRollout
 from lit_rl.models import head_spec
 from lit_rl.ops import gumbel_softmax_topk
 

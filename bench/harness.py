@@ -256,3 +256,15 @@ def shown(overrides: list[str]) -> str:
     """``--model.init_args.key value`` pairs as ``key=value``, for a table."""
     pairs = zip(overrides[::2], overrides[1::2])
     return ", ".join(f"`{k.split('.')[-1]}={v}`" for k, v in pairs) or "(none)"
+
+
+def peak_rss_bytes() -> int | None:
+    """This process's peak resident set size (``VmHWM`` from ``/proc/self/status``), or ``None`` off Linux: what a
+    child reports of itself when the parent cannot wait on it (a trainer's steps, timed from inside)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None

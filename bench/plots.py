@@ -1,14 +1,20 @@
-"""PNG figures of the sweeps (``bench/run.py``): peak by phase (stacked), peak vs vocabulary, peak and step time vs
-completion length. Matplotlib's object API with the Agg canvas only (no pyplot global state)."""
+"""PNG figures of the sweeps (``bench/sweeps.py``): peak by phase (stacked), peak vs vocabulary, peak and step time
+vs completion length. Matplotlib's object API with the Agg canvas only (no pyplot global state).
+
+A point is anything with ``vocab``, ``length``, ``resident``, ``peaks`` (implementation -> phase -> bytes),
+``seconds`` (implementation -> seconds), ``predicted`` (phase -> bytes) and ``peak(implementation)``; the
+implementations are the keys of :data:`COLORS`, the first being lit-rl's, which the estimate describes.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
-
-from sweeps import IMPLEMENTATIONS, Point
+from typing import Any
 
 MIB = 2**20
 COLORS = {"lit-rl logits-free": "tab:blue", "full-logits": "tab:red"}
+IMPLEMENTATIONS = tuple(COLORS)
+Point = Any  # a sweep point, as described above
 
 
 def _figure(width: float, height: float, cols: int = 1):

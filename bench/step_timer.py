@@ -16,19 +16,9 @@ import os
 import time
 from pathlib import Path
 
+from harness import peak_rss_bytes
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
-
-
-def peak_rss_bytes() -> int | None:
-    """This process's peak resident set size (``VmHWM`` from ``/proc/self/status``), or ``None`` off Linux."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
 
 
 class StepTimer(Callback):

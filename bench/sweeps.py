@@ -1,14 +1,13 @@
 """Vocabulary and length sweeps: lit-rl's logits-free reference pass + policy update against full logits, with
 ``lit-rl estimate``'s prediction beside each measured lit-rl peak (parts 3 and 4 of ``bench/run.py``).
 
-Each point is one Qwen2-shaped random model (``bench_policy_update.build_model``: Qwen2.5-0.5B's hidden size, heads,
-MLP width and tied embeddings) with LoRA r16 on all linear layers (``lit_rl.models.apply_lora``, the settings of
-``LoraSettings()``), one batch of 2 prompts x 4 completions (``bench_policy_update.make_batch``: left-padded prompts),
-and two phases under one memory measurement: the no-grad ``reference`` pass (adapters disabled in lit-rl's step; here
-the same weights under ``no_grad``, which costs the same) and the ``update`` (forward + GRPO loss + backward, no
-optimizer step). ``lit-rl logits-free`` runs ``RefCachedGRPO.completion_stats`` (chunked ``lit_rl.ops``) on whole
-rows, each completion with its prompt (``share_prompt: false``, so the sweep isolates the logits; the shared-prompt
-saving is measured by ``bench/bench_shared_prompt.py`` and the TRL part);
+Each point runs in a fresh process, ``python bench/bench_policy_update.py --point`` (its part S): one Qwen2-shaped
+random model (Qwen2.5-0.5B's hidden size, heads, MLP width and tied embeddings) with LoRA r16 on all linear layers,
+one batch of 2 prompts x 4 completions (left-padded prompts), and two phases under one memory measurement: the
+no-grad ``reference`` pass (adapters disabled in lit-rl's step; here the same weights under ``no_grad``, which costs
+the same) and the ``update`` (forward + GRPO loss + backward, no optimizer step). ``lit-rl logits-free`` runs
+``RefCachedGRPO.completion_stats`` (chunked ``lit_rl.ops``) on whole rows, each completion with its prompt
+(``share_prompt: false``, so the sweep isolates the logits; the shared-prompt saving is measured by the TRL part);
 ``full-logits`` materialises ``[B, C, V]`` float32 logits (TRL-style, with ``logits_to_keep``).
 
 Measured: on CPU, exact bytes held by tensors (``TensorMemoryTracker``, resident weights included); on CUDA,
@@ -16,21 +15,27 @@ Measured: on CPU, exact bytes held by tensors (``TensorMemoryTracker``, resident
 model config, LoRA, batch, prompt width and completion length, first step (no optimizer state yet, as measured here):
 ``reference`` against the measured reference phase, ``max(policy_forward, backward)`` against the measured update.
 Tensor bytes do not depend on the machine's load; the seconds do.
+
+Run from the repository root (prints the markdown section; ``--plots DIR`` also writes the three PNGs)::
+
+    python bench/sweeps.py --quick                   # tiny sizes: a smoke test
+    python bench/sweeps.py --plots bench/results     # CPU: vocabularies 32k-152k, 64-512 completion tokens
+    python bench/sweeps.py --gpu --plots bench/results
 """
 
 from __future__ import annotations
 
-import gc
-import time
-from dataclasses import dataclass, field, replace
+import argparse
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
 
-import bench_policy_update as bpu
-import torch
+import harness
+import plots
 
-IMPLEMENTATIONS = {
-    "lit-rl logits-free": (bpu.reference_logits_free, bpu.update_logits_free),
-    "full-logits": (bpu.reference_full_logits, bpu.update_full_logits),
-}
+MIB = 2**20
+POINT_MARK = "POINT "  # what bench_policy_update.py --point prints before its JSON
+LIT, FULL = "lit-rl logits-free", "full-logits"
 
 
 @dataclass
@@ -49,104 +54,59 @@ class Point:
 
     def error(self, phase: str) -> float:
         """(predicted - measured lit-rl) / measured, in %."""
-        measured = self.peaks["lit-rl logits-free"][phase]
+        measured = self.peaks[LIT][phase]
         return 100.0 * (self.predicted[phase] - measured) / measured
 
 
 @dataclass
 class SweepConfig:
-    """The shape of every point; ``vocabs`` at ``base_length`` and ``lengths`` at ``base_vocab``."""
+    """``vocabs`` at ``base_length`` and ``lengths`` at ``base_vocab``; the model's shape is the point script's."""
 
-    shape: bpu.BenchConfig
     vocabs: tuple[int, ...] = (32_000, 64_000, 151_936)
     lengths: tuple[int, ...] = (64, 128, 256, 512)
     base_vocab: int = 32_000
     base_length: int = 128
-    device: str = "cpu"
-    precision: str = "32-true"
+    quick: bool = False
+    gpu: bool = False
 
     def points(self) -> list[tuple[int, int]]:
         grid = [(v, self.base_length) for v in self.vocabs] + [(self.base_vocab, c) for c in self.lengths]
         return sorted(set(grid))
 
-
-def model_config(shape: bpu.BenchConfig, vocab: int):
-    from transformers import Qwen2Config
-
-    return Qwen2Config(
-        vocab_size=vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
-        num_hidden_layers=shape.layers, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
-        max_position_embeddings=max(512, shape.prompt_len + shape.completion_len), tie_word_embeddings=True,
-        pad_token_id=0, bos_token_id=1, eos_token_id=2,
-    )  # fmt: skip
+    def point_args(self) -> list[str]:
+        """The point script's shape options besides the vocabulary and the length."""
+        args = ["--quick"] if self.quick else []
+        if self.gpu:  # Qwen2.5-0.5B's whole depth in bf16
+            args += ["--device", "cuda", "--dtype", "bfloat16", "--precision", "bf16-true"]
+            args += [] if self.quick else ["--layers", "24"]
+        return args
 
 
-def predict(cfg: SweepConfig, shape: bpu.BenchConfig, vocab: int) -> dict[str, int]:
-    """``estimate_step``'s first-step peaks for the reference pass and the update of this point."""
-    from lit_rl.losses import LossSettings
-    from lit_rl.memory.estimate import estimate_step
-    from lit_rl.methods import RefCachedGRPO
-    from lit_rl.models import LoraSettings
-
-    method = RefCachedGRPO(
-        name_or_path="bench", lora=LoraSettings(), num_generations=shape.num_generations,
-        max_new_tokens=shape.completion_len, min_new_tokens=shape.completion_len,
-        loss=LossSettings(beta=shape.beta, loss_type=shape.loss_type), temperature=shape.temperature,
-        share_prompt=False,
-    )  # fmt: skip
-    est = estimate_step(
-        method, batch_size=shape.num_prompts, prompt_length=shape.prompt_len, model_config=model_config(shape, vocab),
-        precision=cfg.precision, padded=True, device_type=cfg.device,
-    )  # fmt: skip
-    first = est.first_step
-    return {"reference": first["reference"], "update": max(first["policy_forward"], first["backward"])}
+def sweep_config(quick: bool, gpu: bool) -> SweepConfig:
+    if quick:
+        return SweepConfig(vocabs=(512, 1024, 2048), lengths=(8, 16), base_vocab=512, base_length=16, quick=True,
+                           gpu=gpu)  # fmt: skip
+    return SweepConfig(lengths=(256, 512, 1024, 2048), gpu=True) if gpu else SweepConfig()
 
 
-def measure_cuda(model, batch: bpu.Batch, phases, shape: bpu.BenchConfig) -> tuple[int, dict[str, int], float]:
-    """``bench_policy_update.measure`` on CUDA: the allocator's peak per phase (``max_memory_allocated``)."""
-    model.zero_grad(set_to_none=True)
-    gc.collect()
-    torch.cuda.synchronize()
-    state: dict = {}
-    peaks = {}
-    start = time.perf_counter()
-    resident = torch.cuda.memory_allocated()
-    for name, fn in phases:
-        torch.cuda.reset_peak_memory_stats()
-        fn(model, batch, shape, state)
-        torch.cuda.synchronize()
-        peaks[name] = torch.cuda.max_memory_allocated()
-    seconds = time.perf_counter() - start
-    model.zero_grad(set_to_none=True)
-    return resident, peaks, seconds
+def run_point(cfg: SweepConfig, vocab: int, length: int) -> tuple[Point, dict]:
+    """``(the point, what the point script reports of its shape and device)``."""
+    cmd = [sys.executable, "bench/bench_policy_update.py", "--point", "--vocabs", str(vocab), "--completion-len",
+           str(length), *cfg.point_args()]  # fmt: skip
+    try:
+        done = harness.run_measured(cmd, POINT_MARK, harness.thread_env(None))
+    except harness.ChildFailed as err:
+        raise SystemExit(f"error: {' '.join(cmd)} failed (exit {err.code}):\n{err.output[-3000:]}") from None
+    r = done.result
+    point = Point(vocab, length, r["peaks"], r["seconds"], r["resident"], r["predicted"])
+    for impl in (LIT, FULL):
+        print(f"  V={vocab:,} C={length} {impl}: peak {mib(point.peak(impl))} MiB, {point.seconds[impl]:.1f} s",
+              file=sys.stderr, flush=True)  # fmt: skip
+    return point, {"config": r["config"], "device_name": r["device_name"]}
 
 
-def run_point(cfg: SweepConfig, vocab: int, length: int, log=print) -> Point:
-    from lit_rl.models import LoraSettings, apply_lora
-
-    shape = replace(cfg.shape, completion_len=length)
-    point = Point(vocab, length)
-    model = apply_lora(bpu.build_model(shape, vocab), LoraSettings())
-    batch = bpu.make_batch(shape, vocab)
-    if cfg.device == "cuda":
-        model = model.to("cuda")
-        batch = bpu.Batch(*(t.to("cuda") for t in batch.tensors()), batch.prompt_len)
-    for impl, (reference, update) in IMPLEMENTATIONS.items():
-        phases = [("reference", reference), ("update", update)]
-        if cfg.device == "cuda":
-            point.resident, point.peaks[impl], point.seconds[impl] = measure_cuda(model, batch, phases, shape)
-        else:
-            m = bpu.measure(model, batch, phases, shape)
-            point.resident, point.peaks[impl], point.seconds[impl] = m.resident, m.phases, m.seconds
-        log(f"  V={vocab:,} C={length} {impl}: peak {bpu.mib(point.peak(impl))} MiB, {point.seconds[impl]:.1f} s")
-    del model, batch
-    gc.collect()
-    point.predicted = predict(cfg, shape, vocab)
-    return point
-
-
-def run(cfg: SweepConfig, log=print) -> list[Point]:
-    return [run_point(cfg, v, c, log) for v, c in cfg.points()]
+def mib(nbytes: float) -> str:
+    return f"{nbytes / MIB:,.1f}"
 
 
 def table(points: list[Point]) -> list[str]:
@@ -157,23 +117,64 @@ def table(points: list[Point]) -> list[str]:
         "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for p in points:
-        lit, full = p.peaks["lit-rl logits-free"], p.peaks["full-logits"]
+        lit, full = p.peaks[LIT], p.peaks[FULL]
         lines.append(
-            f"| {p.vocab:,} | {p.length} | {bpu.mib(lit['reference'])} | {bpu.mib(p.predicted['reference'])} "
-            f"| {p.error('reference'):+.1f} | {bpu.mib(lit['update'])} | {bpu.mib(p.predicted['update'])} "
-            f"| {p.error('update'):+.1f} | {bpu.mib(full['reference'])} | {bpu.mib(full['update'])} "
-            f"| {p.peak('lit-rl logits-free') / p.peak('full-logits'):.3f} | {p.seconds['lit-rl logits-free']:.1f} "
-            f"| {p.seconds['full-logits']:.1f} |"
+            f"| {p.vocab:,} | {p.length} | {mib(lit['reference'])} | {mib(p.predicted['reference'])} "
+            f"| {p.error('reference'):+.1f} | {mib(lit['update'])} | {mib(p.predicted['update'])} "
+            f"| {p.error('update'):+.1f} | {mib(full['reference'])} | {mib(full['update'])} "
+            f"| {p.peak(LIT) / p.peak(FULL):.3f} | {p.seconds[LIT]:.1f} | {p.seconds[FULL]:.1f} |"
         )
     return lines
 
 
-def describe(cfg: SweepConfig) -> str:
-    s = cfg.shape
+def describe(cfg: SweepConfig, shape: dict) -> str:
+    s = shape["config"]
     return (
-        f"Qwen2-shaped random model: hidden {s.hidden}, intermediate {s.intermediate}, {s.heads} heads / {s.kv_heads} "
-        f"KV heads, {s.layers} layers, tied embeddings, {s.dtype}, LoRA r16 all-linear; {s.num_prompts} prompts x "
-        f"{s.num_generations} completions, prompt {s.prompt_len} tokens (left-padded); vocabulary sweep "
-        f"{', '.join(f'{v:,}' for v in cfg.vocabs)} at {cfg.base_length} completion tokens; length sweep "
-        f"{', '.join(map(str, cfg.lengths))} at vocabulary {cfg.base_vocab:,}; device {cfg.device}, {cfg.precision}."
+        f"Qwen2-shaped random model: hidden {s['hidden']}, intermediate {s['intermediate']}, {s['heads']} heads / "
+        f"{s['kv_heads']} KV heads, {s['layers']} layers, tied embeddings, {s['dtype']}, LoRA r16 all-linear; "
+        f"{s['num_prompts']} prompts x {s['num_generations']} completions, prompt {s['prompt_len']} tokens "
+        f"(left-padded); vocabulary sweep {', '.join(f'{v:,}' for v in cfg.vocabs)} at {cfg.base_length} completion "
+        f"tokens; length sweep {', '.join(map(str, cfg.lengths))} at vocabulary {cfg.base_vocab:,}; device "
+        f"{s['device']}, {s['precision']}."
     )
+
+
+def main(argv: list[str] | None = None) -> str:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test (numbers meaningless)")
+    p.add_argument("--gpu", action="store_true", help="Qwen2.5-0.5B's 24 layers in bf16 on CUDA, longer completions")
+    p.add_argument("--plots", type=Path, help="folder for the PNG figures (default: none)")
+    args = p.parse_args(argv)
+    if args.gpu:
+        import torch
+
+        if not torch.cuda.is_available():
+            print("not run: no CUDA device")
+            return "not run: no CUDA device"
+    cfg = sweep_config(args.quick, args.gpu)
+    runs = [run_point(cfg, v, c) for v, c in cfg.points()]
+    points, shape = [pt for pt, _ in runs], runs[0][1]
+    title = f"CUDA ({shape['device_name']})" if args.gpu else "CPU"
+    files = []
+    if args.plots is not None:
+        files = plots.all_plots(
+            points, cfg.base_vocab, cfg.base_length, args.plots, "gpu" if args.gpu else "cpu", title
+        )
+    lines = [
+        describe(cfg, shape) + (f" GPU: {shape['device_name']}." if args.gpu else ""),
+        "",
+        *table(points),
+        "",
+        "MiB: peak bytes held by tensors in the phase, resident weights included (does not depend on the machine's "
+        "load). predicted: `estimate_step` (what `lit-rl estimate` runs), first step; error = (predicted - measured) "
+        "/ measured. Seconds: reference + update, one run (depend on the machine's load).",
+        "",
+        *(f"![{f.stem}](results/{f.name})" for f in files),
+    ]
+    text = "\n".join(lines)
+    print(text)
+    return text
+
+
+if __name__ == "__main__":
+    main()

@@ -8,13 +8,15 @@ and the scalars; takes a headless Chromium screenshot of its Custom Scalars page
 ``docs/tensorboard_memory.png``; and stops TensorBoard. The run's ``memory_phases.png`` is copied to
 ``docs/memory_phases.png`` only when docs/memory.md describes that figure as from a run of as many steps
 (``... as the profiler wrote it for a 60-step run ...``: ``--steps 60``); otherwise the docs' figure is left alone
-and the script says so.
+and the script says so. Beside the figures it writes ``bench/results/tensorboard_page.md`` (with ``--out-dir``: in that
+folder): the results header (the command, commit, machine, versions, load) and the run's peak per phase, so the
+docs need not say when the page was made.
 
 Needs Chromium (``apt-get install chromium``; ``--chromium`` names another binary) and TensorBoard (a dependency).
 Run from anywhere (the run is most of it: 13 minutes on 2 CPU cores shared with a load average of 11-17, three
 profiled steps under tensor accounting; the screenshot a few seconds)::
 
-    python bench/tensorboard_page.py                  # writes docs/tensorboard_memory.png
+    python bench/tensorboard_page.py                  # writes docs/tensorboard_memory.png, results/tensorboard_page.md
     python bench/tensorboard_page.py --out-dir /tmp/x # writes there instead; docs/ untouched
     python bench/tensorboard_page.py --keep runs/tb   # also keeps the run's log folder there
 """
@@ -35,8 +37,11 @@ import urllib.request
 from pathlib import Path
 from urllib.parse import urlencode
 
+import harness
+
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
+RESULTS = ROOT / "bench" / "results"
 PHASES_TEXT = re.compile(r"`memory_phases\.png` as the profiler wrote it for a (\d+)-step run")
 CHROMIUM_FLAGS = [
     "--headless",
@@ -98,6 +103,25 @@ def wait_for_page(base: str, tags: list[str], steps: int, timeout: float) -> Non
     raise SystemExit(f"TensorBoard at {base} did not serve the memory page within {timeout:.0f} s")
 
 
+def provenance(fit: list[str], steps: int, run_s: float, loads: list[float], phases: dict) -> str:
+    """The results file beside the screenshot: its header, the run, and the peak per phase the page charts."""
+    shown = shlex.join(["lit-rl", *fit[fit.index("fit") :]]).split(" --trainer.default_root_dir")[0]
+    lines = harness.header_lines(
+        "TensorBoard's memory page: the run behind docs/tensorboard_memory.png",
+        "python bench/tensorboard_page.py",
+        this_file=shlex.join(["python", "bench/tensorboard_page.py", *sys.argv[1:]]),
+        loads=loads,
+    )
+    lines += [f"The run: `{shown}` ({steps} steps, {run_s:.0f} s), into a temporary folder. Its steady-state peaks "
+              "per phase (`memory_summary.json`), what the page charts:", "",
+              "| phase | steady-state peak GiB (`memory/<phase>/peak_gib`) | predicted GiB |", "| --- | ---: | ---: |"]  # fmt: skip
+    for phase, stats in phases.items():
+        peak = stats.get("peak_gib")  # {"max", "mean", "steady"} over the run's steps
+        cells = [peak.get("steady") if isinstance(peak, dict) else peak, stats.get("predicted_gib")]
+        lines.append(f"| {phase} | " + " | ".join("-" if c is None else f"{c:.3f}" for c in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps of the profiled run")
@@ -123,15 +147,19 @@ def main() -> None:
             "--trainer.default_root_dir", str(run_root),
         ]  # fmt: skip
         print("$ " + shlex.join(fit), flush=True)
-        started = time.monotonic()
+        started, load = time.monotonic(), harness.load_average()
         subprocess.run(fit, cwd=ROOT, check=True)
-        print(f"run: {time.monotonic() - started:.0f} s", flush=True)
+        run_s, loads = time.monotonic() - started, [load, harness.load_average()]
+        print(f"run: {run_s:.0f} s", flush=True)
         summaries = sorted(run_root.rglob("memory_summary.json"))
         if len(summaries) != 1:
             raise SystemExit(f"expected one memory_summary.json under {run_root}, found {summaries}")
         log_dir = summaries[0].parent
         phases = json.loads(summaries[0].read_text()).get("phases") or {}
         tags = [f"memory/{phase}/peak_gib" for phase in phases] + ["memory/step/peak_gib"]
+        record = (out_dir if out_dir != DOCS.resolve() else RESULTS) / "tensorboard_page.md"
+        record.write_text(provenance(fit, args.steps, run_s, loads, phases))
+        written.append(record)
 
         port = free_port()
         base = f"http://127.0.0.1:{port}"

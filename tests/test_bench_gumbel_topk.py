@@ -80,7 +80,7 @@ def test_quick_bench_prints_every_table(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     text = done.stdout
-    assert "Command: `python bench/bench_gumbel_topk.py --quick --vocab 4096 --new-tokens 8 --out" in text
+    assert "This file: `python bench/bench_gumbel_topk.py --quick --vocab 4096 --new-tokens 8 --out" in text
 
     phases = _table(text, "### Per-phase peaks")
     assert [(r[0], r[1], r[2], r[3]) for r in phases] == [("4,096", "8", p, ph) for p in PATHS for ph in PHASES]

@@ -20,7 +20,6 @@ sys.path[:0] = [str(ROOT / "bench")]
 
 import run as bench_run  # noqa: E402
 import vs_trl  # noqa: E402
-from baselines import demote_headings  # noqa: E402
 
 
 def _has_embedded() -> bool:
@@ -139,11 +138,12 @@ def test_setups_are_picked_by_number():
         with pytest.raises(ValueError, match="--setups"):
             vs_trl.pick(vs_trl.SETUPS, bad)
     with pytest.raises(SystemExit):
-        bench_run.parse_args(["--setups", "9"])
+        vs_trl.parse_args(["--setups", "9"])
 
 
 def test_headings_nest_under_the_suite():
-    assert demote_headings("### A\ntext\n#### B") == "#### A\ntext\n##### B"
+    assert bench_run.demote_headings("### A\ntext\n#### B") == "#### A\ntext\n##### B"
+    assert bench_run.without_title("# Title\n\nRegenerate: ...\n### A") == "Regenerate: ...\n### A"
 
 
 @pytest.mark.bench
@@ -160,8 +160,8 @@ def test_quick_suite_writes_the_report(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     md = (tmp_path / "BENCHMARKS.md").read_text()
-    assert "Command: `python bench/run.py --quick --out" in md
-    assert "CPUs" in md and "torch 2" in md and "load average (1 min)" in md
+    assert "This file: `python bench/run.py --quick --out" in md
+    assert "CPU cores" in md and "torch 2" in md and "load average (1 min)" in md
     assert "## 3. Vocabulary and length sweeps" in md
     if HAS_TRL:
         assert "## 1. lit-rl vs TRL" in md

@@ -8,13 +8,17 @@ A method author's one import (``docs/adding-a-method.md``)::
 ``phase_names`` ends with; ``RolloutShape`` and ``StepWork`` what its ``rollout_shape()`` and ``step_work()`` hooks
 return; ``sample_completions`` the sampler the built-in methods draw their rollouts with
 (:mod:`lit_rl.models.sampling`). The token math and model helpers stay in :mod:`lit_rl.ops` and :mod:`lit_rl.models`.
+
+A variant of GumbelTopK's differentiable rollout overrides its ``soft_rollout`` hook, which returns a
+``SoftRollout``, and steps the models with ``PolicyStepper`` and ``ReferenceStepper`` exactly as the method does
+(``bench/gumbel_legacy.py``, the full-vocabulary baseline, is one).
 """
 
 from lit_rl.memory.phases import BACKWARD, OPTIMIZER
 from lit_rl.memory.rollout import RolloutShape, StepWork
 from lit_rl.methods.base import RLMethod
 from lit_rl.methods.grpo import RefCachedGRPO
-from lit_rl.methods.gumbel_topk import GumbelTopK
+from lit_rl.methods.gumbel_topk import GumbelTopK, PolicyStepper, ReferenceStepper, SoftRollout
 from lit_rl.methods.intuitor import Intuitor
 from lit_rl.models import sample_completions
 
@@ -23,9 +27,12 @@ __all__ = [
     "OPTIMIZER",
     "GumbelTopK",
     "Intuitor",
+    "PolicyStepper",
     "RLMethod",
     "RefCachedGRPO",
+    "ReferenceStepper",
     "RolloutShape",
+    "SoftRollout",
     "StepWork",
     "sample_completions",
 ]

@@ -1,11 +1,16 @@
 """Loading policy, reference and reward models; the trunk and LM-head lookup the logits-free ops rely on.
 
 See :mod:`lit_rl.models.loading` for what ``name_or_path`` accepts and :mod:`lit_rl.models.head` for the
-trunk, the head spec and the load-time parity check.
+trunk, the head spec and the load-time parity check. Also here: the own decode loop's load-time checks
+(:func:`decode_unsupported`, :func:`compile_unsupported`: why ``model.decode: own`` or ``compiled`` would fall back
+to ``generate`` for a model) and the compiled step's compile seconds per shape (:func:`compile_seconds`), and the
+tiny random models' parts built in memory for tests (:func:`tiny_config`, :func:`tiny_tokenizer`).
 """
 
 from lit_rl.models.cache_keyword import cache_keyword, cache_kwargs, output_cache
 from lit_rl.models.checkpointing import enable_activation_checkpointing
+from lit_rl.models.compiled_decode import compile_seconds, compile_unsupported
+from lit_rl.models.decode import decode_unsupported
 from lit_rl.models.head import (
     base_model,
     check_head_parity,
@@ -45,6 +50,7 @@ from lit_rl.models.reward import (
     soft_embeddings,
 )
 from lit_rl.models.sampling import sample_completions
+from lit_rl.models.tiny import tiny_config, tiny_tokenizer
 
 __all__ = [
     "DTYPES",
@@ -63,6 +69,9 @@ __all__ = [
     "cache_kwargs",
     "check_head_parity",
     "check_supported",
+    "compile_seconds",
+    "compile_unsupported",
+    "decode_unsupported",
     "disable_dropout",
     "embedded_default_path",
     "embedded_gguf_path",
@@ -83,6 +92,8 @@ __all__ = [
     "sample_completions",
     "score_every_prefix",
     "soft_embeddings",
+    "tiny_config",
+    "tiny_tokenizer",
     "trunk",
     "trunk_hidden",
 ]

@@ -14,6 +14,8 @@ One file per job:
 - :mod:`.arrays`: reading memmaps in batches without growing RSS (shared by ``embed`` and ``knn``).
 
 The stage timer (:func:`peak_rss_stage`) lives in :mod:`lit_rl.memory.rss` and is re-exported here.
+:data:`TRAIN_POINTS_PER_LIST` is how many points per inverted list the IVF index trains on when ``train_size`` is
+not given.
 
 How this differs from a first design that embeds prompts by their logits: hidden-state embeddings
 instead of vocabulary-sized logits (:mod:`.embed`), FAISS kNN in batches with an IVF index for
@@ -22,7 +24,7 @@ millions of prompts (:mod:`.knn`), and an offline cache that training refuses wh
 
 from lit_rl.data.density.cache import EmbeddingCache, StaleEmbeddingCacheError, dataset_fingerprint, embedding_metadata
 from lit_rl.data.density.embed import embed_prompts
-from lit_rl.data.density.knn import knn_search
+from lit_rl.data.density.knn import TRAIN_POINTS_PER_LIST, knn_search
 from lit_rl.data.density.pipeline import density_weights_for, embed_to_cache
 from lit_rl.data.density.weights import effective_sample_size, inverse_density_weights, weights_from_mean_distances
 from lit_rl.memory.rss import StageStats, peak_rss_stage
@@ -31,6 +33,7 @@ __all__ = [
     "EmbeddingCache",
     "StaleEmbeddingCacheError",
     "StageStats",
+    "TRAIN_POINTS_PER_LIST",
     "dataset_fingerprint",
     "density_weights_for",
     "effective_sample_size",
