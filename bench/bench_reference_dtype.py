@@ -21,7 +21,7 @@ import torch
 
 from lit_rl.cli import parse_fit_config
 from lit_rl.losses import masked_mean
-from lit_rl.memory.estimate import estimate_step
+from lit_rl.memory import estimate_step
 
 RESULTS = harness.ROOT / "bench" / "results" / "reference_dtype.md"
 

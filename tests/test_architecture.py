@@ -251,9 +251,10 @@ def test_a_phase_the_method_did_not_declare_is_refused():
 
 # ------------------------------------------------------------------------------------------------ bench/
 BENCH = ROOT / "bench"
-# the bench modules that are not scripts, which a bench file may import: the shared harness, the figure helpers, and
-# the legacy GumbelTopK baseline (a method subclass, no main) that bench_gumbel_topk.py measures and its test checks
-BENCH_SHARED = {"harness", "plots", "gumbel_legacy"}
+# the bench modules a bench file may import: the shared harness, the figure helpers, the reader of a run's held-out
+# completions (a command of its own too), and the legacy GumbelTopK baseline (a method subclass, no main) that
+# bench_gumbel_topk.py measures and its test checks
+BENCH_SHARED = {"harness", "plots", "heldout_examples", "gumbel_legacy"}
 # TEMPORARY: fit scripts being converted to YAML studies run by bench/study.py; each is deleted by its conversion,
 # and this set with them
 CONVERTING = {

@@ -17,3 +17,6 @@ SHIPPED_HEAD_DIR = Path(__file__).parent / "heads" / "smollm2_sentiment"
 def shipped_head_file() -> str:
     """The ``.safetensors`` head of the built-in sentiment reward model on the embedded SmolLM2 trunk."""
     return str(SHIPPED_HEAD_DIR / HEAD_FILE)
+
+
+__all__ = ["HEAD_FILE", "META_FILE", "SHIPPED_HEAD_DIR", "shipped_head_file"]
