@@ -196,6 +196,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--threads", type=int, help="CPU threads per run (default: the study's, else 1)")
     p.add_argument("--keep-checkpoints", action="store_true", help="keep each run's .ckpt files (deleted by default)")
     p.add_argument("--quick", action="store_true", help="the study's tiny config, 1-2 steps, temporary folders")
+    p.add_argument("--note", help="a paragraph under the description: why this file holds some arms only, say")
     args = p.parse_args(argv)
     if args.list:
         return args
@@ -258,6 +259,8 @@ def main(argv: list[str] | None = None) -> str:
     ]
     if study.get("description"):
         lines += [" ".join(study["description"].split()).format(**fill), ""]
+    if args.note:
+        lines += [args.note, ""]
     lines += table(study, [a for a in arms if not a.section], hook)
     for section in dict.fromkeys(a.section for a in arms if a.section):
         inside = [a for a in arms if a.section == section]

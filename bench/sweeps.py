@@ -8,7 +8,7 @@ and two phases under one memory measurement: the no-grad ``reference`` pass (ada
 the same weights under ``no_grad``, which costs the same) and the ``update`` (forward + GRPO loss + backward, no
 optimizer step). ``lit-rl logits-free`` runs ``RefCachedGRPO.completion_stats`` (chunked ``lit_rl.ops``) on whole
 rows, each completion with its prompt (``share_prompt: false``, so the sweep isolates the logits; the shared-prompt
-saving is measured by ``bench/bench_shared_prompt.py`` and the TRL part);
+saving is measured by the ``shared_prompt`` study (``bench/studies/shared_prompt.yaml``) and the TRL part);
 ``full-logits`` materialises ``[B, C, V]`` float32 logits (TRL-style, with ``logits_to_keep``).
 
 Measured: on CPU, exact bytes held by tensors (``TensorMemoryTracker``, resident weights included); on CUDA,
