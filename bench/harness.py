@@ -217,6 +217,7 @@ def run_fit(
     if not (reuse and record.exists()):
         root.mkdir(parents=True, exist_ok=True)
         print(f"+ {shlex.join(cmd)}" + (f"  (code of {commit})" if commit else ""), file=sys.stderr, flush=True)
+        code_commit = git_commit(commit) if commit else git_commit()  # before the run: HEAD may move meanwhile
         with tempfile.TemporaryDirectory(prefix="lit_rl_code_") as tmp:
             code = export_commit(commit, Path(tmp)) if commit else ROOT
             try:
@@ -227,7 +228,7 @@ def run_fit(
                     f"error: `{shlex.join(cmd)}` failed (exit {e.code}); its output is in {root}/fit.log"
                 ) from None
         info = {"wall": done.wall, "load_before": done.load[0], "load_after": done.load[1],
-                "peak_rss": done.peak_rss, "commit": git_commit(commit) if commit else git_commit()}  # fmt: skip
+                "peak_rss": done.peak_rss, "commit": code_commit}  # fmt: skip
         record.write_text(json.dumps(info))
     run = max((root / "lightning_logs").glob("version_*"), key=lambda p: int(p.name.split("_")[1]))
     return run, json.loads(record.read_text())
