@@ -9,7 +9,8 @@ runs as ``python -m lit_rl`` from the repository root, so it always runs this ch
 - **provenance**: :func:`git_commit`, :func:`versions`, :func:`cpu_model`, :func:`cpu_flags`, :func:`load_average`;
 - **a measured child**: :func:`run_measured` (any command; lifetime peak RSS from ``os.wait4``, wall seconds, the
   1-minute load average before and after, its last result line) and :func:`run_fit` (``lit-rl fit`` writing to a
-  folder, with a ``bench_run.json`` record so a table can be rebuilt from runs already made);
+  folder, with a ``bench_run.json`` record so a table can be rebuilt from runs already made; this checkout's code or
+  a given commit's, :func:`export_commit`); what a run does not log by itself, a probe in ``bench/probes.py`` logs;
 - **a run's logs**: :func:`read_scalar_events`, :func:`read_scalars`, :func:`training_seconds` (TensorBoard);
 - **the results header**: :func:`header_lines` (the command that reproduces the file, the machine, the commit,
   versions, and the note that times depend on the machine's load while tensor bytes do not).
@@ -143,14 +144,16 @@ def report(mark: str, result: dict[str, Any]) -> None:
     print(mark + json.dumps(result), flush=True)
 
 
-def run_measured(cmd: list[str], mark: str | None, env: dict[str, str], log: Path | None = None) -> Measured:
-    """Run ``cmd`` from the repository root with ``env``, its output (stdout and stderr) in ``log`` (a temporary
-    file when ``None``); ``os.wait4``'s ``ru_maxrss`` is the kernel's high-water mark of the child's whole lifetime.
-    With a ``mark``, the child's last line starting with it is its result. Raises :class:`ChildFailed` on a
-    non-zero exit."""
+def run_measured(
+    cmd: list[str], mark: str | None, env: dict[str, str], log: Path | None = None, *, cwd: Path = ROOT
+) -> Measured:
+    """Run ``cmd`` from ``cwd`` (the repository root) with ``env``, its output (stdout and stderr) in ``log`` (a
+    temporary file when ``None``); ``os.wait4``'s ``ru_maxrss`` is the kernel's high-water mark of the child's whole
+    lifetime. With a ``mark``, the child's last line starting with it is its result. Raises :class:`ChildFailed` on
+    a non-zero exit."""
     load0, start = load_average(), time.perf_counter()
     with open(log, "w+") if log is not None else tempfile.TemporaryFile("w+") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
         _, status, usage = os.wait4(proc.pid, 0)
         wall = time.perf_counter() - start
         out.seek(0)
@@ -165,14 +168,26 @@ def run_measured(cmd: list[str], mark: str | None, env: dict[str, str], log: Pat
     return Measured(result, usage.ru_maxrss * 1024, wall, (load0, load_average()))
 
 
-def thread_env(threads: int | None) -> dict[str, str]:
-    """This process's environment for a child: this checkout first on ``PYTHONPATH`` (so a child that runs a
-    script, not ``-m lit_rl`` from the root, also imports this checkout's library) and ``threads`` CPU threads (a
-    fixed count also fixes the floating-point order, so seeded numbers repeat)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+def thread_env(threads: int | None, *, code: Path = ROOT) -> dict[str, str]:
+    """This process's environment for a child: ``code`` (this checkout, or another commit's, see
+    :func:`export_commit`) first on ``PYTHONPATH`` (so a child that runs a script, not ``-m lit_rl`` from the root,
+    also imports that library), this checkout's ``bench/`` last (so a run's ``--trainer.callbacks+=probes.<Probe>``
+    imports), and ``threads`` CPU threads (a fixed count also fixes the floating-point order, so seeded numbers
+    repeat)."""
+    paths = [str(code), os.environ.get("PYTHONPATH"), str(ROOT / "bench")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, paths))}
     if threads:
         env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     return env
+
+
+def export_commit(rev: str, folder: Path) -> Path:
+    """The files of commit ``rev`` (code and configs) written to ``folder`` with ``git archive``: a run of the code
+    before a change, beside this checkout's, without a worktree to clean up."""
+    folder.mkdir(parents=True, exist_ok=True)
+    archive = subprocess.run(["git", "archive", rev], cwd=ROOT, capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(folder)], input=archive, check=True)
+    return folder
 
 
 def fit_command(config: str, root: Path, overrides: list[str]) -> list[str]:
@@ -182,24 +197,38 @@ def fit_command(config: str, root: Path, overrides: list[str]) -> list[str]:
 
 
 def run_fit(
-    config: str, root: Path, overrides: list[str], *, reuse: bool = False, threads: int | None = None
+    config: str,
+    root: Path,
+    overrides: list[str],
+    *,
+    reuse: bool = False,
+    threads: int | None = None,
+    env: dict[str, str] | None = None,
+    commit: str | None = None,
 ) -> tuple[Path, dict[str, float]]:
     """``lit-rl fit --config config`` in a fresh process writing to ``root``: the run's TensorBoard folder, and its
     wall seconds, peak RSS (bytes) and the 1-minute load average before and after, saved in ``root/bench_run.json``
-    (``reuse``: those of an earlier run in ``root``, nothing rerun). The output is in ``root/fit.log``."""
+    (``reuse``: those of an earlier run in ``root``, nothing rerun). The output is in ``root/fit.log``. ``env``:
+    variables added to the child's environment (set before Python starts, e.g. ``LD_PRELOAD``); ``commit``: run that
+    commit's code and config instead of this checkout's."""
+    root = root.resolve()  # another commit's code runs from its own folder
     cmd = fit_command(config, root, overrides)
     record = root / "bench_run.json"
     if not (reuse and record.exists()):
         root.mkdir(parents=True, exist_ok=True)
-        print(f"+ {shlex.join(cmd)}", file=sys.stderr, flush=True)
-        try:
-            done = run_measured(cmd, None, thread_env(threads), log=root / "fit.log")
-        except ChildFailed as e:
-            raise SystemExit(
-                f"error: `{shlex.join(cmd)}` failed (exit {e.code}); its output is in {root}/fit.log"
-            ) from None
+        print(f"+ {shlex.join(cmd)}" + (f"  (code of {commit})" if commit else ""), file=sys.stderr, flush=True)
+        code_commit = git_commit(commit) if commit else git_commit()  # before the run: HEAD may move meanwhile
+        with tempfile.TemporaryDirectory(prefix="lit_rl_code_") as tmp:
+            code = export_commit(commit, Path(tmp)) if commit else ROOT
+            try:
+                child_env = {**thread_env(threads, code=code), **(env or {})}
+                done = run_measured(cmd, None, child_env, root / "fit.log", cwd=code)
+            except ChildFailed as e:
+                raise SystemExit(
+                    f"error: `{shlex.join(cmd)}` failed (exit {e.code}); its output is in {root}/fit.log"
+                ) from None
         info = {"wall": done.wall, "load_before": done.load[0], "load_after": done.load[1],
-                "peak_rss": done.peak_rss, "commit": git_commit()}  # fmt: skip
+                "peak_rss": done.peak_rss, "commit": code_commit}  # fmt: skip
         record.write_text(json.dumps(info))
     run = max((root / "lightning_logs").glob("version_*"), key=lambda p: int(p.name.split("_")[1]))
     return run, json.loads(record.read_text())

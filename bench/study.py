@@ -7,10 +7,13 @@ The YAML file holds everything that differs between studies:
 - ``title``, ``results`` (the file written in ``--results``, default ``<study>.md``), ``description`` (the paragraph
   under the header; ``{config}`` and the study's other top-level scalars are filled in);
 - ``config``, ``base`` (overrides every arm starts from), ``threads`` (CPU threads per run), ``arms``
-  (``name: [overrides]``, or ``name: {overrides: [...], config: <its own>, base: false, section: <heading>,
-  tabulate: false}`` for an arm with a config of its own, one that runs without the base, one tabulated under a
-  heading of its own, one run for the hook to read and given no row; other keys are the hook's, in
-  ``Arm.spec``), ``quick`` (``config``, ``base``, ``overrides`` added to every arm, ``arms``: a list of names or
+  (``name: [overrides]``, or ``name: {overrides: [...], ...}`` with any of ``label`` (the table's name for it),
+  ``config`` (its own), ``base`` (``false``: none; a list: this one instead of the study's), ``env`` (variables set
+  in the child's environment before Python starts, e.g. ``LD_PRELOAD``), ``commit`` (run that commit's code and
+  config instead of this checkout's), ``section: <heading>`` (tabulated under a heading of its own) and
+  ``tabulate: false`` (run for the hook to read, given no row); other keys are the hook's, in ``Arm.spec``),
+  ``sections`` (optional, ``<heading>: {description, columns}``: a section's own paragraph and columns, else the
+  study's), ``quick`` (``config``, ``base``, ``overrides`` added to every arm, ``arms``: a list of names or
   ``{name: [overrides added to that arm]}``: a tiny smoke test); ``{results}`` in an override is the results
   folder (relative to the repository root when inside it), for a file a hook's ``before`` writes there;
 - ``read`` (``required``: of every tabulated arm, and ``optional`` scalar keys), ``eval_key`` (the held-out metric
@@ -18,10 +21,12 @@ The YAML file holds everything that differs between studies:
 - ``columns``: ``header``, ``align`` (``right`` for numbers) and ``cell``, one of ``arm``, ``overrides`` (the
   arm's; ``{overrides: with_base}``: the base's too),
   ``{window: key, size: N}`` (first and last N values' means), ``{series: key}`` (every value), ``{last: key or
-  [keys]}`` (the first key's last value that the run logged), ``{record: wall | peak_rss_mib | load}`` (the
-  measured child; ``load``: the 1-minute load average before and after it), ``{hook: name}``; with ``format`` (a
-  Python format spec), ``missing`` (the cell when absent) and ``optional: true`` (the column is left out when no arm
-  has a value for it);
+  [keys]}`` (the first key's last value that the run logged), ``{median: key or [keys], skip: N}`` (the median
+  over the steps after the first N of the value, or of the keys' sum per step), ``{record: wall | peak_rss_mib |
+  peak_rss_gib | load}`` (the measured child; ``load``: the load average before and after), ``{hook: name}``;
+  with ``format`` (a Python format spec), ``vs: first`` (``last``, ``median`` and ``record`` cells: the ratio to
+  the first row of the table, as ``1.23x``), ``missing`` (the cell when absent) and ``optional: true`` (the column
+  is left out when no arm has a value for it);
 - ``hook`` (optional): a module in ``bench/study_hooks/`` for what data cannot say (a derived column, a plot), with
   ``cells`` (``{name: function(arm) -> str}``), ``before(study, results_dir)`` (run before the arms, not with
   ``--reuse``: what the arms read, such as a rates file) and ``after(study, arms, results_dir) -> list[str]`` (lines
@@ -44,6 +49,7 @@ import argparse
 import importlib
 import json
 import shlex
+import statistics
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -53,7 +59,7 @@ import harness
 import yaml
 
 STUDIES = Path(__file__).resolve().parent / "studies"
-CELL_KINDS = ("arm", "overrides", "window", "series", "last", "record", "hook")
+CELL_KINDS = ("arm", "overrides", "window", "series", "last", "median", "record", "hook")
 
 
 @dataclass
@@ -71,6 +77,7 @@ class Arm:
     config: str = ""  # the run's --config
     args: list[str] = field(default_factory=list)  # everything after it: base, overrides, quick additions
     others: dict[str, Arm] = field(default_factory=dict)  # every arm of this run of the study, by name
+    label: str | None = None  # the table's name for it (default: its name)
     extra: dict = field(default_factory=dict)  # what a hook computes once and reads in several cells
 
     def values(self, key: str) -> list[float]:
@@ -87,9 +94,11 @@ def load_study(name: str) -> dict:
     for arm, spec in study["arms"].items():
         spec = study["arms"][arm] = spec if isinstance(spec, dict) else {"overrides": spec}
         spec["overrides"] = [str(x) for x in spec.get("overrides") or []]
+        spec["env"] = {str(k): str(v) for k, v in (spec.get("env") or {}).items()}
         if len(spec["overrides"]) % 2:
             raise SystemExit(f"error: {path}: arm {arm}: overrides must be a list of flag, value pairs")
-    for column in study["columns"]:
+    sections = study.setdefault("sections", {})
+    for column in [*study["columns"], *(c for s in sections.values() for c in s.get("columns", []))]:
         cell = column["cell"]
         kind = cell if isinstance(cell, str) else next(iter(cell))
         if kind not in CELL_KINDS:
@@ -121,12 +130,31 @@ def _fmt(value: float | None, spec: str, missing: str) -> str:
     return missing if value is None else format(value, spec)
 
 
-def cell(column: dict, arm: Arm, hook) -> str:
-    """One table cell of ``arm`` as ``column`` describes it."""
+def value(what: dict, arm: Arm) -> float | None:
+    """The number a ``last``, ``median`` or ``record`` cell shows."""
+    kind, key = next(iter(what.items()))
+    keys = [key] if isinstance(key, str) else key
+    if kind == "last":
+        found = [arm.values(k)[-1] for k in keys if arm.values(k)]
+        return found[0] if found else None
+    if kind == "median":  # per step, the keys' sum; steps where one of them is missing are left out
+        per_step = [dict(arm.series.get(k, [])) for k in keys]
+        steps = sorted(set.intersection(*(set(s) for s in per_step)))
+        sums = [sum(s[step] for s in per_step) for step in steps]
+        return statistics.median(sums[what.get("skip", 0) :] or sums) if sums else None
+    if key == "peak_rss_mib":
+        return arm.record.get("peak_rss", 0) / 2**20
+    if key == "peak_rss_gib":
+        return arm.record.get("peak_rss", 0) / 2**30
+    return arm.record.get(key)
+
+
+def cell(column: dict, arm: Arm, hook, first: Arm | None = None) -> str:
+    """One table cell of ``arm`` as ``column`` describes it (``first``: the table's first row, for ``vs: first``)."""
     spec, missing = column.get("format", ".3f"), column.get("missing", "-")
     what = column["cell"]
     if what == "arm":
-        return arm.name
+        return arm.label or arm.name
     if what == "overrides":
         return harness.shown(arm.overrides)
     kind, key = next(iter(what.items()))
@@ -140,24 +168,28 @@ def cell(column: dict, arm: Arm, hook) -> str:
         return f"{format(harness.mean(values[:n]), spec)} → {format(harness.mean(values[-n:]), spec)}"
     if kind == "series":
         return " → ".join(format(v, spec) for v in arm.values(key)) or missing
-    if kind == "last":
-        found = [arm.values(k)[-1] for k in ([key] if isinstance(key, str) else key) if arm.values(k)]
-        return _fmt(found[0] if found else None, spec, missing)
-    if kind == "record":
-        if key == "load":
-            loads = [arm.record.get(k) for k in ("load_before", "load_after")]
-            return missing if None in loads else ", ".join(format(x, spec) for x in loads)
-        value = arm.record.get("peak_rss", 0) / 2**20 if key == "peak_rss_mib" else arm.record.get(key)
-        return _fmt(value, spec, missing)
+    if kind == "record" and key == "load":
+        loads = [arm.record.get(k) for k in ("load_before", "load_after")]
+        return missing if None in loads else ", ".join(format(x, spec) for x in loads)
+    if kind in ("last", "median", "record"):
+        own = value(what, arm)
+        if what.get("vs") == "first":
+            ref = value(what, first) if first is not None else None
+            return f"{own / ref:.2f}x" if own is not None and ref else missing
+        return _fmt(own, spec, missing)
     return hook.cells[key](arm)
 
 
-def table(study: dict, arms: list[Arm], hook) -> list[str]:
-    """The study's markdown table: its header (``{eval_steps}`` filled in) and a row per arm."""
+def table(study: dict, arms: list[Arm], hook, columns: list[dict] | None = None) -> list[str]:
+    """A markdown table of ``columns`` (the study's by default): its header (``{eval_steps}`` filled in) and a row
+    per arm."""
+    if not arms:  # every arm run sits in a section
+        return []
+    columns = columns or study["columns"]
     steps = sorted({s for arm in arms for s in eval_steps(arm, study.get("eval_key", "val/correct_answer"))})
-    cells = {id(c): [cell(c, arm, hook) for arm in arms] for c in study["columns"]}
+    cells = {id(c): [cell(c, arm, hook, arms[0]) for arm in arms] for c in columns}
     columns = [
-        c for c in study["columns"]
+        c for c in columns
         if not c.get("optional") or any(x != c.get("missing", "-") for x in cells[id(c)])
     ]  # fmt: skip
     headers = [c["header"].format(eval_steps=", ".join(map(str, steps))) for c in columns]
@@ -179,6 +211,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--threads", type=int, help="CPU threads per run (default: the study's, else 1)")
     p.add_argument("--keep-checkpoints", action="store_true", help="keep each run's .ckpt files (deleted by default)")
     p.add_argument("--quick", action="store_true", help="the study's tiny config, 1-2 steps, temporary folders")
+    p.add_argument("--note", help="a paragraph under the description: why this file holds some arms only, say")
     args = p.parse_args(argv)
     if args.list:
         return args
@@ -217,18 +250,22 @@ def main(argv: list[str] | None = None) -> str:
     arms = []
     for i, name in enumerate(names):
         spec = study["arms"][name]
-        overrides, arm_base = filled(spec["overrides"], results), base if spec.get("base", True) else []
+        own_base = spec.get("base", True)
+        arm_base = base if own_base is True else [str(x) for x in own_base or []]
+        overrides = filled(spec["overrides"], results)
         added = filled([*quick.get("overrides", []), *(quick_arms.get(name) or [])], results)
         extra = [*arm_base, *overrides, *added]
         arm_config = spec.get("config", config)
-        run, record = harness.run_fit(arm_config, out / name, extra, reuse=args.reuse, threads=threads)
+        run, record = harness.run_fit(arm_config, out / name, extra, reuse=args.reuse, threads=threads,
+                                      env=spec["env"], commit=spec.get("commit"))  # fmt: skip
         if not args.keep_checkpoints:  # weights and optimizer state: nothing in a table reads them
             for ckpt in (out / name).rglob("*.ckpt"):
                 ckpt.unlink()
         # an arm with no row (run for the hook) need not log what the table requires
         series = harness.read_scalars(str(run), keys.get("required", []), optional=not spec.get("tabulate", True))
         series.update(harness.read_scalars(str(run), keys.get("optional", []), optional=True))
-        arms.append(Arm(name, overrides, arm_base, record, series, run, spec.get("section"), spec, arm_config, extra))
+        arms.append(Arm(name, overrides, arm_base, record, series, run, spec.get("section"), spec, arm_config, extra,
+                        label=spec.get("label")))  # fmt: skip
         print(f"[{i + 1}/{len(names)}] {name}: {record['wall']:.0f} s", file=sys.stderr, flush=True)
     for arm in arms:
         arm.others = {a.name: a for a in arms}
@@ -251,12 +288,19 @@ def main(argv: list[str] | None = None) -> str:
     ]
     if study.get("description"):
         lines += [" ".join(study["description"].split()).format(**fill), ""]
+    if args.note:
+        lines += [args.note, ""]
     tabulated = [a for a in arms if a.spec.get("tabulate", True)]
     lines += table(study, [a for a in tabulated if not a.section], hook)
     for section in dict.fromkeys(a.section for a in tabulated if a.section):
         inside = [a for a in tabulated if a.section == section]
-        lines += ["", f"## {section}", "", f"Each run: `python -m lit_rl fit --config {config} <overrides>`.", ""]
-        lines += table(study, inside, hook)
+        own = study["sections"].get(section, {})
+        command = " ".join(filter(None, ["python -m lit_rl fit --config", inside[0].config or config,
+                                         shlex.join(inside[0].base)]))  # fmt: skip
+        lines += ["", f"## {section}", "", f"Each run: `{command} <overrides>`.", ""]
+        if own.get("description"):
+            lines += [" ".join(own["description"].split()).format(**fill), ""]
+        lines += table(study, inside, hook, own.get("columns"))
     if hook is not None and hasattr(hook, "after"):
         lines += hook.after(study, arms, results)
     text = "\n".join(lines) + "\n"

@@ -7,7 +7,8 @@ one batch of 2 prompts x 4 completions (left-padded prompts), and two phases und
 no-grad ``reference`` pass (adapters disabled in lit-rl's step; here the same weights under ``no_grad``, which costs
 the same) and the ``update`` (forward + GRPO loss + backward, no optimizer step). ``lit-rl logits-free`` runs
 ``RefCachedGRPO.completion_stats`` (chunked ``lit_rl.ops``) on whole rows, each completion with its prompt
-(``share_prompt: false``, so the sweep isolates the logits; the shared-prompt saving is measured by the TRL part);
+(``share_prompt: false``, so the sweep isolates the logits; the shared-prompt saving is measured by the
+``shared_prompt`` study and the TRL part);
 ``full-logits`` materialises ``[B, C, V]`` float32 logits (TRL-style, with ``logits_to_keep``).
 
 Measured: on CPU, exact bytes held by tensors (``TensorMemoryTracker``, resident weights included); on CUDA,

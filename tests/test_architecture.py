@@ -255,17 +255,6 @@ BENCH = ROOT / "bench"
 # completions (a command of its own too), and the legacy GumbelTopK baseline (a method subclass, no main) that
 # bench_gumbel_topk.py measures and its test checks
 BENCH_SHARED = {"harness", "plots", "heldout_examples", "gumbel_legacy"}
-# TEMPORARY: fit scripts being converted to YAML studies run by bench/study.py; each is deleted by its conversion,
-# and this set with them
-CONVERTING = {
-    "bench_allocator.py",
-    "bench_bf16_cpu.py",
-    "bench_checkpoint_save.py",
-    "bench_gumbel_topk_vs_grpo.py",
-    "bench_qlora.py",
-    "bench_roofline.py",
-    "bench_shared_prompt.py",
-}
 
 
 def _public_names(module: str) -> set[str] | None:
@@ -312,8 +301,7 @@ def test_bench_files_import_only_the_public_api_and_the_shared_bench_modules():
     bench/ only the shared modules, so that no script breaks when another one changes."""
     wrong = []
     for path in sorted(BENCH.rglob("*.py")):
-        if path.relative_to(BENCH).as_posix() not in CONVERTING:
-            wrong += _bench_problems(path)
+        wrong += _bench_problems(path)
     assert not wrong, "\n".join(wrong)
 
 

@@ -104,9 +104,42 @@ def _gumbel_topk_vs_grpo(column: dict[str, tuple[str, ...]], arms: list[str], te
     assert [r[0] for r in _first_table(text.split("## At equal wall time", 1)[1])[1]] == arms
 
 
-# a study's own assertions on its quick table (by column) and results file
-CHECKS = {"checkpointing": _checkpointing, "roofline": _roofline, "qlora": _qlora,
-          "gumbel_topk_vs_grpo": _gumbel_topk_vs_grpo}  # fmt: skip
+def _checkpoint_save(column: dict[str, tuple[str, ...]], arms: list[str], text: str) -> None:
+    """A save was measured in both runs, with Lightning's IO and with the streaming one."""
+    assert [a.split()[1] for a in arms] == ["TorchCheckpointIO", "StreamingCheckpointIO"], arms
+    overall, before = column["overall peak"], column["peak RSS before the first save"]
+    assert all(float(o) >= float(b) > 0 for o, b in zip(overall, before)), column
+
+
+def _shared_prompt(column: dict[str, tuple[str, ...]], arms: list[str], text: str) -> None:
+    """The runs are seeded: every variant, the code of an earlier commit too, samples the same rewards."""
+    assert len(set(column["reward/mean per step"])) == 1, column["reward/mean per step"]
+    assert column["step vs the first row"][0] == "1.00x"
+
+
+def _allocator(column: dict[str, tuple[str, ...]], arms: list[str], text: str) -> None:
+    """Each run found itself on glibc, and the runtime's baseline and the ratio are measured."""
+    assert all(a.startswith("glibc") for a in column["allocator"]), column["allocator"]
+    assert all(float(b) > 0 for b in column["baseline (GiB)"]), column
+    assert all(float(r.rstrip("x")) > 0 for r in column["RSS / (tensor peak + baseline)"]), column
+
+
+def _bf16_cpu(column: dict[str, tuple[str, ...]], arms: list[str], text: str) -> None:
+    """Held-out accuracy before the first step and after each of the two; the probes' columns are filled."""
+    assert all(len(a.split(" → ")) == 3 for a in column["held-out accuracy (steps 0, 1, 2)"]), column
+    assert all(w.endswith("%") for w in column["weights moved"]) and all(float(s) > 0 for s in column["CPU s"])
+
+
+CHECKS = {  # a study's own assertions on its quick table (by column) and results file
+    "checkpointing": _checkpointing,
+    "roofline": _roofline,
+    "qlora": _qlora,
+    "gumbel_topk_vs_grpo": _gumbel_topk_vs_grpo,
+    "checkpoint_save": _checkpoint_save,
+    "shared_prompt": _shared_prompt,
+    "allocator": _allocator,
+    "bf16_cpu": _bf16_cpu,
+}
 
 
 @pytest.mark.bench
@@ -127,14 +160,16 @@ def test_quick_run_writes_the_columns_and_a_row_per_arm(name, tmp_path):
     columns = [c for c in study["columns"] if not c.get("optional") or c["header"] in headers]
     expected = [c["header"].split("{")[0] for c in columns]
     assert len(headers) == len(expected) and all(h.startswith(e) for h, e in zip(headers, expected)), headers
-    arms = list(study["quick"].get("arms", study["arms"]))
-    specs = {a: study["arms"][a] if isinstance(study["arms"][a], dict) else {} for a in arms}
+    arms = list(study["quick"].get("arms", study["arms"]))  # names (a dict's keys: overrides per arm)
+    specs = {a: s if isinstance(s, dict) else {"overrides": s} for a, s in study["arms"].items()}
+    label = {a: specs[a].get("label", a) for a in arms}
     tabulated = [a for a in arms if specs[a].get("tabulate", True)]  # the others are run for the hook to read
     in_sections = [a for a in tabulated if specs[a].get("section")]
-    assert [r[0] for r in rows] == [a for a in tabulated if a not in in_sections]
-    for section in dict.fromkeys(specs[a]["section"] for a in in_sections):
-        after = text.split(f"## {section}", 1)[1]
-        assert [r[0] for r in _first_table(after)[1]] == [a for a in in_sections if specs[a]["section"] == section]
+    assert [r[0] for r in rows] == [label[a] for a in tabulated if a not in in_sections]
+    for heading in dict.fromkeys(specs[a]["section"] for a in in_sections):
+        section = text.split(f"## {heading}", 1)[1]
+        inside = [label[a] for a in in_sections if specs[a]["section"] == heading]
+        assert [r[0] for r in _first_table(section)[1]] == inside, heading
     required = set(study.get("read", {}).get("required", []))
     for column, i in ((c, i) for i, c in enumerate(columns) if isinstance(c["cell"], dict)):
         kind, key = next(iter(column["cell"].items()))
@@ -162,9 +197,9 @@ def test_quick_run_writes_the_columns_and_a_row_per_arm(name, tmp_path):
             *(quick["arms"].get(arm) or [] if isinstance(quick.get("arms"), dict) else []),
         ]
         for flag, value in zip(overrides[::2], overrides[1::2]):
-            if (
-                flag == "--config" or flag in later[::2]
-            ):  # a fragment (its name is not saved), or set again in quick mode
+            # a config fragment (its name is not saved), a callback appended (what it sets is in the saved config,
+            # checked by the flags that set its init_args), or a flag set again in quick mode
+            if flag == "--config" or flag.endswith("+") or flag in later[::2]:
                 continue
             node = saved
             for part in flag.removeprefix("--").split("."):

@@ -273,22 +273,3 @@ def test_a_run_streams_its_checkpoints_measures_the_saves_and_resumes_from_them(
     assert resumed["global_step"] == 3
     assert before.keys() == resumed["state_dict"].keys()
     assert any(not torch.equal(before[k], resumed["state_dict"][k]) for k in before), "the resumed step trained"
-
-
-# ------------------------------------------------------------------------------------------------ the bench
-
-
-@pytest.mark.bench  # bench/bench_checkpoint_save.py --quick: two CLI subprocesses
-def test_the_quick_bench_measures_both_ios(tmp_path):
-    out = tmp_path / "checkpoint_save.md"
-    bench = [sys.executable, str(ROOT / "bench" / "bench_checkpoint_save.py"), "--quick", "--out", str(out)]
-    done = subprocess.run(bench, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    text = out.read_text()
-    assert text.startswith("# Checkpoint save") and "Regenerate: `python bench/bench_checkpoint_save.py --out " in text
-    assert f"This file: `python bench/bench_checkpoint_save.py --quick --out {out}`." in text  # harness.header_lines
-    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in text.splitlines() if line.startswith("| ")]
-    header, body = rows[0], rows[2:]  # rows[1]: the alignment row
-    assert [r[0].split()[1] for r in body] == ["TorchCheckpointIO", "StreamingCheckpointIO"]
-    before, overall = header.index("peak RSS before the first save"), header.index("overall peak")
-    assert all(float(r[overall]) >= float(r[before]) > 0 for r in body)  # a save was measured in both runs

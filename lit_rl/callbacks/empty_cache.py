@@ -41,9 +41,9 @@ class EmptyCache(Callback):
     **On CPU with glibc** (Linux) it calls ``malloc_trim(0)``, which returns every whole free page of glibc's
     heaps to the OS. glibc keeps freed blocks below its (dynamic, up to 32 MiB) mmap threshold, so without it
     the process RSS holds activations, KV caches and gradient temporaries the step freed. *Saving* and *cost* are
-    measured by ``bench/bench_allocator.py`` (table in ``bench/results/allocator.md``): trimming at every phase end
-    lowers the peak RSS between phases but not within one; each call costs the page faults of re-touching the
-    released pages in the next phase.
+    measured by ``python bench/study.py allocator`` (table in ``bench/results/allocator.md``): trimming at every
+    phase end lowers the peak RSS between phases but not within one; each call costs the page faults of
+    re-touching the released pages in the next phase.
 
     ``mmap_threshold`` / ``trim_threshold`` additionally fix glibc's thresholds in ``setup`` (``mallopt``),
     the run-time form of ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_``: every block above the mmap

@@ -7,15 +7,18 @@ What a user calls directly, importable from here:
   keyword arguments a datamodule, a precision and callbacks give it, :func:`estimate_for_trainer` the same for a
   method under a Trainer, and :data:`BUILTIN_SHAPES` the model shapes ``--model-config shape:<name>`` names;
 - :class:`TensorMemoryTracker`: exact bytes held by tensors, on any device, as a ``TorchDispatchMode`` (what the
-  ``MemoryProfiler`` measures with on CPU), filing them under :data:`CATEGORIES`.
+  ``MemoryProfiler`` measures with on CPU), filing them under :data:`CATEGORIES`;
+- :func:`read_rss`, :func:`read_peak_rss` and :func:`reset_peak_rss`: the process's resident memory now and its
+  high-water mark since the last reset (what the profiler logs beside the tensor bytes).
 
-The other modules (phases, peaks, the fake-tensor substitutions, the tactic table, the planner, the roofline, RSS
-and the host allocator) are what the methods, callbacks and the CLI are built from; ``docs/development.md`` lists
+The other modules (phases, peaks, the fake-tensor substitutions, the tactic table, the roofline and the host
+allocator) are what the methods, callbacks and the CLI are built from; ``docs/development.md`` lists
 them.
 """
 
 from lit_rl.memory.estimate import estimate_for_trainer, estimate_step, settings_from
 from lit_rl.memory.report import Estimate
+from lit_rl.memory.rss import read_peak_rss, read_rss, reset_peak_rss
 from lit_rl.memory.shapes import BUILTIN_SHAPES
 from lit_rl.memory.tracker import CATEGORIES, TensorMemoryTracker
 
@@ -26,5 +29,8 @@ __all__ = [
     "TensorMemoryTracker",
     "estimate_for_trainer",
     "estimate_step",
+    "read_peak_rss",
+    "read_rss",
+    "reset_peak_rss",
     "settings_from",
 ]
