@@ -41,7 +41,7 @@ def before(study: dict, results: Path) -> None:
 def _plan_file(arm) -> Path | None:
     for i, value in enumerate(arm.overrides[:-1]):
         if value == "--config" and Path(arm.overrides[i + 1]).name.startswith("plan_"):
-            return Path(arm.overrides[i + 1])
+            return harness.ROOT / arm.overrides[i + 1]  # {results} is filled relative to the repository root
     return None
 
 
