@@ -183,16 +183,15 @@ def _candidate(module, rates, settings, overrides, combo, every: int = 0, estima
 def _floor_seconds(module, estimate: Estimate, rates: dict[str, Any], overrides: dict[str, Any]) -> float | None:
     """The roofline's floor of the estimated step (every phase it models), or None where it does not model it."""
     s = estimate.settings
-    if s.get("hparams", {}).get("quantize_base", "none") != "none" or overrides.get("quantize_base") == "nf4":
+    if s["hparams"].get("quantize_base", "none") != "none":  # the estimate's hparams hold the overrides too
         return None  # the 4-bit base's dequantization is not modelled
     try:
         shape = ModelShape.from_config(s["config"])
     except ValueError:
         return None
-    work = copy_method(module, {k: v for k, v in overrides.items() if k not in ("precision",)}).step_work()
-    method_phases = set(copy_method(module, {}).phases.names)
-    if not {"rollout", "reference", "policy_forward"} <= method_phases:
+    if not {"rollout", "reference", "policy_forward"} <= set(type(module).phase_names):
         return None  # the roofline counts the GRPO family's phases only
+    work = copy_method(module, {k: v for k, v in overrides.items() if k not in ("precision",)}).step_work()
     half = s["precision"].split("-")[0] in ("bf16", "16")
     weight_bytes = 2 if s["precision"] in ("bf16-true", "16-true") else 4
     gradients = next((c.bytes for c in estimate.components if c.name == "gradients"), 0)

@@ -41,10 +41,15 @@ class RolloutShape:
             )
 
 
+def _declared(method, hook: str, default):
+    """``method.<hook>()``, or ``default`` when the object has no such hook."""
+    found = getattr(method, hook, None)
+    return found() if callable(found) else default
+
+
 def rollout_shape(method) -> RolloutShape:
     """``method.rollout_shape()``, or the shape of a step that generates nothing when the object has no such hook."""
-    hook = getattr(method, "rollout_shape", None)
-    return hook() if callable(hook) else RolloutShape()
+    return _declared(method, "rollout_shape", RolloutShape())
 
 
 @dataclass(frozen=True)
@@ -86,5 +91,4 @@ class StepWork:
 
 def step_work(method) -> StepWork:
     """``method.step_work()``, or a single plain update with no scoring pass when the object has no such hook."""
-    hook = getattr(method, "step_work", None)
-    return hook() if callable(hook) else StepWork()
+    return _declared(method, "step_work", StepWork())
