@@ -6,38 +6,7 @@ import copy
 from pathlib import Path
 from typing import Any
 
-# Model shapes built in code, so a config can be estimated without the network: ``shape:<name>``.
-# Values are those of the published config.json files (Qwen2.5-Coder-3B has the 3B's shape; Qwen3-4B as in
-# seed 003's three-model Gumbel run).
-BUILTIN_SHAPES: dict[str, dict[str, Any]] = {
-    "qwen2.5-0.5b": dict(
-        model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-        num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=32768,
-    ),
-    "qwen2.5-1.5b": dict(
-        model_type="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-        num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=32768,
-    ),
-    "qwen2.5-3b": dict(
-        model_type="qwen2", vocab_size=151936, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
-        num_attention_heads=16, num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=32768,
-    ),
-    "qwen2.5-7b": dict(
-        model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-        num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False, max_position_embeddings=32768,
-    ),
-    "qwen3-4b": dict(
-        model_type="qwen3", vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
-        max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000, bos_token_id=151643, eos_token_id=151645,
-    ),
-    "smollm2-135m": dict(
-        model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-        num_attention_heads=9, num_key_value_heads=3, head_dim=64, tie_word_embeddings=True,
-        max_position_embeddings=8192, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=2,
-    ),
-}  # fmt: skip
-SHAPE_PREFIX = "shape:"
+from lit_rl.models.shapes import BUILTIN_SHAPES, SHAPE_PREFIX, shape_config
 
 
 def model_config_for(
@@ -69,13 +38,7 @@ def model_config_for(
         return copy.deepcopy(source)
     source = str(source)
     if source.startswith(SHAPE_PREFIX):
-        name = source[len(SHAPE_PREFIX) :].lower()
-        if name not in BUILTIN_SHAPES:
-            raise ValueError(
-                f"unknown model shape {source!r}; use one of {', '.join(SHAPE_PREFIX + n for n in BUILTIN_SHAPES)}"
-            )
-        kwargs = dict(BUILTIN_SHAPES[name])
-        return AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
+        return shape_config(source)
     if source.startswith(TINY_PREFIX):
         from lit_rl.models.tiny import tiny_config, tiny_tokenizer
 

@@ -50,13 +50,16 @@ from lit_rl.models.reward import (
     soft_embeddings,
 )
 from lit_rl.models.sampling import sample_completions
+from lit_rl.models.shapes import BUILTIN_SHAPES, SHAPE_PREFIX, shape_config
 from lit_rl.models.tiny import tiny_config, tiny_tokenizer
 
 __all__ = [
+    "BUILTIN_SHAPES",
     "DTYPES",
     "EMBEDDED",
     "EMBEDDED_NAME",
     "EMBEDDED_PACKAGE",
+    "SHAPE_PREFIX",
     "TINY_PREFIX",
     "LoraSettings",
     "apply_lora",
@@ -90,6 +93,7 @@ __all__ = [
     "resolve_dtype",
     "resolve_source",
     "sample_completions",
+    "shape_config",
     "score_every_prefix",
     "soft_embeddings",
     "tiny_config",

@@ -193,7 +193,9 @@ def check_head_parity(model, name: str) -> None:
     logp_all = torch.log_softmax(logits.double(), dim=-1)  # [1, L-1, V]
     ref_logp = logp_all.gather(-1, ids[:, 1:, None]).squeeze(-1)  # [1, L-1]
     ref_ent = -(logp_all.exp() * logp_all).sum(-1)  # [1, L-1]
-    diff = max((stats.logp.double() - ref_logp).abs().max().item(), (stats.entropy.double() - ref_ent).abs().max().item())
+    diff = max(
+        (stats.logp.double() - ref_logp).abs().max().item(), (stats.entropy.double() - ref_ent).abs().max().item()
+    )
     largest = logits.abs().max().item()
     tolerance = 1e-3 + 4 * torch.finfo(logits.dtype).eps * max(1.0, largest)
     if not math.isfinite(diff) or diff > tolerance:

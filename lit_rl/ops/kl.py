@@ -170,7 +170,13 @@ class _KLFn(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_kl: Tensor | None):
         hidden_p, weight_p, bias_p, hidden_q, weight_q, bias_q, lse_p, lse_q, mean_d = ctx.saved_tensors
-        temperature, tc, vc, (scale_p, cap_p), (scale_q, cap_q) = ctx.temperature, ctx.tc, ctx.vc, ctx.head_p, ctx.head_q
+        temperature, tc, vc, (scale_p, cap_p), (scale_q, cap_q) = (
+            ctx.temperature,
+            ctx.tc,
+            ctx.vc,
+            ctx.head_p,
+            ctx.head_q,
+        )
         needs = ctx.needs_input_grad
         need_p, need_q = any(needs[0:3]), any(needs[3:6])
         if grad_kl is None or not (need_p or need_q):

@@ -1,0 +1,457 @@
+"""The GPU check: every GPU figure lit-rl predicts, measured on the device in one command, beside the prediction.
+
+On CUDA (about 5 minutes on one H100) it measures, with random-weight models of real architectures
+(``shape:<name>``, :mod:`lit_rl.models.shapes`: memory and speed do not depend on the weights' values, and
+nothing is downloaded):
+
+- **peaks**: each method (RefCachedGRPO, Intuitor, GumbelTopK) on Qwen2.5-0.5B full fine-tuning in float32,
+  Qwen2.5-1.5B LoRA in bf16 and Qwen2.5-7B LoRA over an NF4 base, micro-batch 1, a few steps under the
+  :class:`~lit_rl.callbacks.MemoryProfiler`: per phase the CUDA allocator's ``max_memory_allocated`` and
+  ``max_memory_reserved`` against the estimator's prediction at the step's own shapes (what ``lit-rl estimate``
+  computes), and each phase's seconds against its roofline floor at the rates measured on the device;
+- **decode**: rollout tokens per second of ``generate``, the own loop and the compiled step (CUDA graphs), with the
+  floor set by reading every weight once per token at the device's measured copy bandwidth;
+- **tactics** that act only on an accelerator: activation offloading and ``EmptyCache`` on the 1.5B LoRA step
+  (peak and step time against the same step without them), and the OOM report: a step given a memory budget below
+  its predicted peak (``torch.cuda.set_per_process_memory_fraction``) must fail in a named phase, write a report
+  that names a tactic, and leave the process alive.
+
+On a CPU the same code runs at tiny shapes (``--quick``; ``tests/test_bench_device_check.py`` runs it), so it
+cannot rot before a GPU is at hand; its figures there mean nothing. A part that fails is recorded with its error
+and the others go on; the JSON and the table are rewritten after every measurement, so a run cut short keeps
+what it measured.
+
+Run on a GPU machine (the packages it lacks travel as wheels: docs/benchmarks.md lists them)::
+
+    python bench/device_check.py                  # writes bench/results/gpu.md and gpu.json
+    python bench/device_check.py --quick --out /tmp/gpu_quick.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import harness
+import lightning as L
+import torch
+
+from lit_rl.callbacks import ActivationOffloading, EmptyCache, MemoryProfiler, OOMReport
+from lit_rl.data import PromptDataModule
+from lit_rl.methods import GumbelTopK, Intuitor, RefCachedGRPO
+from lit_rl.models import LoraSettings, load_causal_lm, load_tokenizer, sample_completions
+
+GIB = 2**30
+METHODS = {"grpo": RefCachedGRPO, "intuitor": Intuitor, "gumbel_topk": GumbelTopK}
+DISTS = ("torch", "lightning", "transformers", "peft", "bitsandbytes", "jsonargparse", "triton")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One model setting the peaks part trains every method in."""
+
+    name: str
+    model: str
+    dtype: str  # the weights' dtype (model.dtype)
+    precision: str  # trainer.precision
+    lora: bool
+    nf4: bool = False
+
+
+FULL = (
+    Case("0.5B full FT fp32", "shape:qwen2.5-0.5b", "float32", "32-true", lora=False),
+    Case("1.5B LoRA bf16", "shape:qwen2.5-1.5b", "bfloat16", "bf16-true", lora=True),
+    Case("7B LoRA NF4", "shape:qwen2.5-7b", "bfloat16", "bf16-true", lora=True, nf4=True),
+)
+QUICK = (
+    Case("tiny full FT fp32", "tiny:qwen2", "float32", "32-true", lora=False),
+    Case("tiny LoRA bf16", "tiny:qwen2", "bfloat16", "bf16-true", lora=True),
+    Case("tiny LoRA NF4", "tiny:qwen2", "bfloat16", "bf16-true", lora=True, nf4=True),
+)
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Rollout and run lengths: the full run's on a GPU, tiny ones for ``--quick``."""
+
+    generations: int = 4
+    new_tokens: int = 128
+    gumbel_tokens: int = 16  # GumbelTopK backpropagates through every soft token: a shorter rollout
+    prompt_length: int = 64
+    steps: int = 3  # the first warms up (allocations, kernels); the roofline times the later ones
+    decode_rows: int = 8
+    decode_lengths: tuple[int, ...] = (256,)
+    decode_model: str = "shape:qwen2.5-0.5b"
+    tactic_case: int = 1  # index into the cases: the 1.5B LoRA step
+    oom_case: int = 0
+
+
+QUICK_SIZES = Sizes(
+    generations=2, new_tokens=4, gumbel_tokens=3, steps=2, decode_rows=2, decode_lengths=(8,), decode_model="tiny:qwen2"
+)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny shapes (a CPU smoke run); figures meaningless")
+    parser.add_argument("--parts", nargs="+", default=list(PARTS), choices=list(PARTS),
+                        help="in this order; the 7B runs (peaks_large) last, as the ones most likely to run long")  # fmt: skip
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    parser.add_argument("--out", default=str(harness.ROOT / "bench" / "results" / "gpu.md"), help="the table (.md)")
+    parser.add_argument("--workdir", default="/tmp/lit_rl_device_check", help="run folders (logs, reports)")
+    return parser.parse_args(argv)
+
+
+# ------------------------------------------------------------------------------------------------ one fit
+
+
+def _method(name: str, case: Case, sizes: Sizes, **extra: Any):
+    common = dict(
+        name_or_path=case.model, dtype=case.dtype, lora=LoraSettings() if case.lora else None,
+        quantize_base="nf4" if case.nf4 else "none", micro_batch_size=1, learning_rate=1e-6,
+    )  # fmt: skip
+    if name == "gumbel_topk":
+        return GumbelTopK(reward_model=case.model, max_new_tokens=sizes.gumbel_tokens, **common, **extra)
+    common.update(num_generations=sizes.generations, max_new_tokens=sizes.new_tokens)
+    if name == "grpo":  # a length-free reward: a random model's completions still get varied scores
+        return RefCachedGRPO(reward_funcs=["lit_rl.data.rewards.number_only"], **common, **extra)
+    return Intuitor(**common, **extra)
+
+
+def _data(sizes: Sizes) -> PromptDataModule:
+    return PromptDataModule(
+        source="arithmetic", num_prompts=64, batch_size=1, max_prompt_length=sizes.prompt_length, val_size=0
+    )
+
+
+def _clear() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def fit(method_name: str, case: Case, sizes: Sizes, root: Path, callbacks: list | None = None, **extra: Any) -> dict:
+    """Train ``sizes.steps`` steps under the MemoryProfiler; its summary (per phase: peaks, prediction, roofline)."""
+    _clear()
+    profiler = MemoryProfiler(every_n_steps=1)
+    trainer = L.Trainer(
+        accelerator="auto", devices=1, precision=case.precision, max_steps=sizes.steps, logger=False,
+        callbacks=[profiler, *(callbacks or [])], enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0, default_root_dir=str(root),
+    )  # fmt: skip
+    method = _method(method_name, case, sizes, **extra)
+    start = time.perf_counter()
+    try:
+        trainer.fit(method, _data(sizes))
+        summary = profiler.summary()
+    finally:
+        del trainer, method
+        _clear()
+    summary["wall_s"] = time.perf_counter() - start
+    return summary
+
+
+def phase_rows(summary: dict) -> list[dict]:
+    """Per phase: measured allocated and reserved GiB (max over steps), predicted GiB, error, seconds and floor."""
+    roofline = summary.get("roofline", {}).get("phases", {})
+    rows = []
+    for phase, stats in summary["phases"].items():
+        measured = (stats.get("peak_gib") or {}).get("max")
+        predicted = stats.get("predicted_gib")
+        time_ = roofline.get(phase, {})
+        rows.append({
+            "phase": phase, "allocated_gib": measured, "reserved_gib": (stats.get("reserved_gib") or {}).get("max"),
+            "predicted_gib": predicted,
+            "error_pct": None if not measured or predicted is None else 100 * (predicted - measured) / measured,
+            "seconds": time_.get("measured_s"), "floor_s": time_.get("floor_s"), "achieved": time_.get("achieved"),
+        })  # fmt: skip
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------ the parts
+
+
+def _peaks(args, cases, sizes, record) -> None:
+    for case in cases:
+        for name in args.methods:
+            record("peaks", f"{name} / {case.name}", lambda n=name, c=case: _peaks_entry(n, c, sizes, args))
+
+
+def part_peaks(args, cases, sizes, record) -> None:
+    _peaks(args, cases[:-1], sizes, record)
+
+
+def part_peaks_large(args, cases, sizes, record) -> None:
+    """The last case (7B over an NF4 base), run after the other parts: the one most likely to run long."""
+    _peaks(args, cases[-1:], sizes, record)
+
+
+def _peaks_entry(name: str, case: Case, sizes: Sizes, args) -> dict:
+    summary = fit(name, case, sizes, Path(args.workdir) / "peaks" / f"{name}_{case.model.split(':')[-1]}")
+    return {"case": asdict(case), "method": name, "phases": phase_rows(summary), "wall_s": summary["wall_s"],
+            "roofline_rates": summary.get("roofline", {}).get("rates"), "measurement": summary["measurement"]}  # fmt: skip
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Bytes read + written per second by ``dst.copy_(src)`` over 1 GiB (256 MiB on a CPU), best of five."""
+    n = (GIB if device.type == "cuda" else 256 * 2**20) // 4
+    src, dst = torch.empty(n, device=device), torch.empty(n, device=device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    best = float("inf")
+    for _ in range(5):
+        sync()
+        start = time.perf_counter()
+        dst.copy_(src)
+        sync()
+        best = min(best, time.perf_counter() - start)
+    return 2 * n * 4 / best
+
+
+def part_decode(args, cases, sizes, record) -> None:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    record("decode", "bandwidth", lambda: {"copy_bytes_per_s": copy_bandwidth(device)})
+    for dtype in ("bfloat16",):
+        record("decode", f"{sizes.decode_model} {dtype}", lambda d=dtype: _decode_entry(sizes, device, d))
+
+
+def _decode_entry(sizes: Sizes, device: torch.device, dtype: str) -> dict:
+    _clear()
+    tokenizer = load_tokenizer(sizes.decode_model)
+    with torch.device(device):
+        model = load_causal_lm(sizes.decode_model, dtype=dtype)
+    model.config.use_cache = True
+    data = _data(sizes)
+    data.connect(tokenizer)
+    data.setup("fit")
+    batch = next(iter(data.train_dataloader()))
+    ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
+    repeats = sizes.decode_rows
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def run(side: str, length: int) -> float:
+        torch.manual_seed(1234)
+        sync()
+        start = time.perf_counter()
+        sample_completions(
+            model, ids, mask, tokenizer.pad_token_id, [tokenizer.eos_token_id], repeats=repeats, share_prompt=True,
+            own_decode={"generate": False, "own": "own", "compiled": "compiled"}[side], max_new_tokens=length,
+            min_new_tokens=length, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
+        )  # fmt: skip
+        sync()
+        return time.perf_counter() - start
+
+    out: dict[str, Any] = {"rows": repeats, "weight_bytes": weight_bytes, "lengths": {}}
+    try:
+        for length in sizes.decode_lengths:
+            row: dict[str, Any] = {}
+            for side in ("generate", "own", "compiled"):
+                first = run(side, length)  # warms (and for the compiled step, compiles and captures the graph)
+                best = min(run(side, length) for _ in range(2))
+                row[side] = {"first_s": first, "best_s": best, "tokens_per_s": repeats * length / best}
+            out["lengths"][length] = row
+    finally:
+        model = None  # the closure above holds the name: rebinding frees the weights before _clear
+        _clear()
+    return out
+
+
+def part_tactics(args, cases, sizes, record) -> None:
+    case = cases[sizes.tactic_case]
+    arms = {
+        "none": lambda: [],
+        "ActivationOffloading": lambda: [ActivationOffloading()],
+        "EmptyCache(all phases)": lambda: [EmptyCache(phases="all")],
+    }
+    for arm, callbacks in arms.items():
+        record("tactics", f"grpo / {case.name} / {arm}",
+               lambda a=arm, cb=callbacks: _tactic_entry(a, cb(), case, sizes, args))  # fmt: skip
+    record("tactics", "optimizer state in host memory", lambda: {"skipped": "not built in lit-rl yet"})
+
+
+def _tactic_entry(arm: str, callbacks: list, case: Case, sizes: Sizes, args) -> dict:
+    root = Path(args.workdir) / "tactics" / arm.split("(")[0]
+    summary = fit("grpo", case, sizes, root, callbacks=callbacks)
+    return {"arm": arm, "phases": phase_rows(summary), "wall_s": summary["wall_s"]}
+
+
+def part_oom(args, cases, sizes, record) -> None:
+    record("oom", "oversized step", lambda: _oom_entry(cases[sizes.oom_case], sizes, args))
+
+
+def _oom_entry(case: Case, sizes: Sizes, args) -> dict:
+    """A step whose budget is below its predicted peak: the report must name the phase and a tactic; we live on."""
+    if not torch.cuda.is_available():
+        return {"skipped": "needs CUDA (set_per_process_memory_fraction)"}
+    probe = fit("grpo", case, sizes, Path(args.workdir) / "oom_probe")
+    peak = max(s["peak_gib"]["max"] for s in probe["phases"].values() if s.get("peak_gib")) * GIB
+    weights = probe["phases"]["rollout"]["peak_gib"]["max"] * GIB  # weights, reference copy and the rollout
+    budget = (weights + peak) / 2  # above what loads, below what the step needs
+    total = torch.cuda.get_device_properties(0).total_memory
+    report = OOMReport()
+    torch.cuda.set_per_process_memory_fraction(budget / total)
+    error = None
+    try:
+        fit("grpo", case, sizes, Path(args.workdir) / "oom", callbacks=[report])
+    except Exception as err:  # torch.OutOfMemoryError, as Lightning re-raises it
+        error = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    written = json.loads(Path(report.report_path).read_text()) if report.report_path else None
+    return {"budget_gib": budget / GIB, "step_peak_gib": peak / GIB, "error": error, "report": written,
+            "alive_after": torch.ones(1, device="cuda").item() == 1.0}  # fmt: skip
+
+
+PARTS = {"peaks": part_peaks, "decode": part_decode, "tactics": part_tactics, "oom": part_oom,
+         "peaks_large": part_peaks_large}  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------------ the results
+
+
+def environment() -> dict:
+    cuda = torch.cuda.is_available()
+    return {
+        "device": torch.cuda.get_device_name(0) if cuda else harness.cpu_model(),
+        "memory_gib": torch.cuda.get_device_properties(0).total_memory / GIB if cuda else None,
+        "cuda": torch.version.cuda, "python": sys.version.split()[0], "versions": harness.versions(DISTS),
+        "commit": os.environ.get("LIT_RL_COMMIT") or harness.git_commit(),  # a device's copy may have no .git
+    }  # fmt: skip
+
+
+def _f(value: Any, fmt: str = ".2f") -> str:
+    return "—" if value is None else format(value, fmt)
+
+
+def render(results: dict) -> str:
+    env = results["environment"]
+    lines = [
+        "# The GPU check",
+        "",
+        f"Written by `{results['command']}` (bench/device_check.py) at commit {env['commit']}"
+        + (" — **--quick: tiny shapes, figures meaningless**" if results["quick"] else "") + ".",
+        f"Device: {env['device']} ({_f(env['memory_gib'], '.1f')} GiB), CUDA {env['cuda']}, Python {env['python']}; "
+        + ", ".join(f"{k} {v}" for k, v in env["versions"].items()) + ".",
+        "Bytes depend on the shapes, not on load; seconds depend on the device and what else ran on it.",
+        "",
+        "## Per-phase peaks: the CUDA allocator against the estimator",
+        "",
+        "Allocated is `max_memory_allocated` over the phase (max over the steps), reserved the allocator's "
+        "`max_memory_reserved`; predicted is the estimator's figure at the step's own shapes, error = "
+        "(predicted - allocated) / allocated. Seconds are the median of the steps after the first; the floor is the "
+        "phase's roofline at the rates measured on this device at the end of each run.",
+        "",
+        "| method / setting | phase | allocated GiB | reserved GiB | predicted GiB | error | seconds | floor s |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]  # fmt: skip
+    for key, entry in results["peaks"].items():
+        if "error" in entry and "phases" not in entry:
+            lines.append(f"| {key} | **failed** | {entry['error']} | | | | | |")
+            continue
+        for row in entry["phases"]:
+            lines.append(
+                f"| {key} | {row['phase']} | {_f(row['allocated_gib'], '.3f')} | {_f(row['reserved_gib'], '.3f')} | "
+                f"{_f(row['predicted_gib'], '.3f')} | {_f(row['error_pct'], '+.1f')}% | {_f(row['seconds'], '.3f')} | "
+                f"{_f(row['floor_s'], '.4f')} |"
+            )
+    errors = [abs(r["error_pct"]) for e in results["peaks"].values() for r in e.get("phases", [])
+              if r["error_pct"] is not None]  # fmt: skip
+    if errors:
+        within = sum(e <= 10 for e in errors)
+        lines += ["", f"{within} of {len(errors)} phase peaks predicted within 10% (largest error {max(errors):.1f}%)."]
+    lines += ["", "## Rollout decode: tokens per second", ""]
+    decode = results["decode"]
+    bandwidth = decode.get("bandwidth", {}).get("copy_bytes_per_s")
+    lines.append(f"Copy bandwidth measured: {_f(bandwidth and bandwidth / 1e12, '.2f')} TB/s (bytes read + written).")
+    lines += ["", "| model | new tokens | rows | generate | own loop | compiled (CUDA graphs) | floor |",
+              "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    for key, entry in decode.items():
+        if key == "bandwidth":
+            continue
+        if "lengths" not in entry:
+            lines.append(f"| {key} | **failed** | {entry.get('error')} | | | | |")
+            continue
+        for length, row in entry["lengths"].items():
+            floor = entry["rows"] * bandwidth / entry["weight_bytes"] if bandwidth else None
+            lines.append(
+                f"| {key} | {length} | {entry['rows']} | "
+                + " | ".join(_f(row[s]["tokens_per_s"], ".0f") for s in ("generate", "own", "compiled"))
+                + f" | {_f(floor, '.0f')} |"
+            )
+    lines += [
+        "",
+        "The floor reads every weight once per token at the copy bandwidth (the KV cache left out: a ceiling"
+        " on tokens per second). First-call seconds (compile and graph capture included) are in gpu.json.",
+        "",
+    ]
+    lines += ["## Tactics that act on an accelerator", "",
+              "| arm | step peak allocated GiB | step peak reserved GiB | predicted GiB | step seconds |",
+              "| --- | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    for key, entry in results["tactics"].items():
+        if "phases" not in entry:
+            lines.append(f"| {key} | {entry.get('skipped') or entry.get('error')} | | | |")
+            continue
+        phases = entry["phases"]
+        peak = max((r["allocated_gib"] or 0) for r in phases)
+        reserved = max((r["reserved_gib"] or 0) for r in phases)
+        predicted = max((r["predicted_gib"] or 0) for r in phases)
+        seconds = sum(r["seconds"] or 0 for r in phases)
+        lines.append(f"| {key} | {peak:.3f} | {reserved:.3f} | {predicted:.3f} | {seconds:.3f} |")
+    lines += ["", "## The OOM report", ""]
+    for key, entry in results["oom"].items():
+        report = entry.get("report") or {}
+        lines.append(f"- {key}: " + json.dumps({k: v for k, v in entry.items() if k != "report"}, default=str))
+        if report:
+            lines.append("  - report: " + json.dumps(report, default=str)[:1500])
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    cases, sizes = (QUICK, QUICK_SIZES) if args.quick else (FULL, Sizes())
+    if not args.quick and not torch.cuda.is_available():
+        raise SystemExit(
+            "bench/device_check.py: no CUDA device; run it on a GPU machine, or pass --quick for tiny shapes"
+        )
+    out = Path(args.out)
+    command = "python bench/device_check.py" + (" " + " ".join(argv if argv is not None else sys.argv[1:])).rstrip()
+    results: dict[str, Any] = {"command": command.strip(), "quick": args.quick, "environment": environment(),
+                               **{part: {} for part in ("peaks", "decode", "tactics", "oom")}}  # fmt: skip
+
+    def save() -> None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.with_suffix(".json").write_text(json.dumps(results, indent=1, default=str))
+        out.write_text(render(results))
+
+    def record(part: str, key: str, measure) -> None:
+        start = time.perf_counter()
+        print(f"[device_check] {part}: {key} ...", flush=True)
+        try:
+            results[part][key] = measure()
+        except Exception as err:  # one failure is a row, not the end of the check
+            traceback.print_exc()
+            results[part][key] = {
+                "error": f"{type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}"
+            }
+            _clear()
+        print(f"[device_check] {part}: {key} done in {time.perf_counter() - start:.1f} s", flush=True)
+        save()
+
+    for part in args.parts:
+        PARTS[part](args, cases, sizes, record)
+    save()
+    print(out.read_text())
+    return results
+
+
+if __name__ == "__main__":
+    main()
