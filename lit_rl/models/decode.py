@@ -319,7 +319,7 @@ def decode_unsupported(model, step=None) -> str | None:
     embedding = hf.get_input_embeddings().weight
     vocab = embedding.shape[0]
     gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(min(3, vocab - 1), vocab, (2, 6), generator=gen).to(embedding.device)
+    ids = torch.randint(min(3, vocab - 1), vocab, (2, 6), generator=gen, device="cpu").to(embedding.device)
     mask = torch.ones_like(ids)
     mask[1, :2] = 0  # left padding
     pad = 0

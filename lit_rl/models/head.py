@@ -174,7 +174,7 @@ def check_head_parity(model, name: str) -> None:
     vocab = spec.weight.shape[0]
     device = spec.weight.device
     gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(min(3, vocab - 1), vocab, (1, PARITY_TOKENS), generator=gen).to(device)  # [1, L]
+    ids = torch.randint(min(3, vocab - 1), vocab, (1, PARITY_TOKENS), generator=gen, device="cpu").to(device)  # [1, L]
     mask = torch.ones_like(ids)
     was_training = hf.training
     hf.eval()

@@ -228,9 +228,10 @@ def shared_prompt_unsupported(model) -> str | None:
     device = hf.get_input_embeddings().weight.device
     gen = torch.Generator().manual_seed(0)
     p, c = 5, 4
-    prompts = torch.randint(min(3, vocab - 1), vocab, (2, p), generator=gen)
+    prompts = torch.randint(min(3, vocab - 1), vocab, (2, p), generator=gen, device="cpu")
     ids = torch.cat(
-        [prompts.repeat_interleave(3, 0), torch.randint(min(3, vocab - 1), vocab, (6, c), generator=gen)], 1
+        [prompts.repeat_interleave(3, 0), torch.randint(min(3, vocab - 1), vocab, (6, c), generator=gen, device="cpu")],
+        1,
     )
     mask = torch.ones_like(ids)
     mask[3:, :2] = 0  # the second prompt is left padded
