@@ -36,7 +36,7 @@ import os
 import sys
 import time
 import traceback
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -105,6 +105,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--parts", nargs="+", default=list(PARTS), choices=list(PARTS),
                         help="in this order; the 7B runs (peaks_large) last, as the ones most likely to run long")  # fmt: skip
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    parser.add_argument("--steps", type=int, help="optimizer steps per fit (default 3; 2 on --quick)")
+    parser.add_argument("--new-tokens", type=int, help="completion length of GRPO and Intuitor (default 128)")
+    parser.add_argument("--decode-lengths", type=int, nargs="+", help="decode lengths (default 256)")
+    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS), help="the tactics part's arms")
+    parser.add_argument(
+        "--oom-budget-gib",
+        type=float,
+        help="the OOM part's budget; default: halfway between a probe run's rollout and step peaks",
+    )
     parser.add_argument("--out", default=str(harness.ROOT / "bench" / "results" / "gpu.md"), help="the table (.md)")
     parser.add_argument("--workdir", default="/tmp/lit_rl_device_check", help="run folders (logs, reports)")
     return parser.parse_args(argv)
@@ -265,17 +274,22 @@ def _decode_entry(sizes: Sizes, device: torch.device, dtype: str) -> dict:
     return out
 
 
+ARMS = {
+    "none": lambda: [],
+    "ActivationOffloading": lambda: [ActivationOffloading()],
+    "EmptyCache": lambda: [EmptyCache(phases="all")],
+    "host_optimizer": None,  # optimizer state in host memory: not built yet, a row that says so
+}
+
+
 def part_tactics(args, cases, sizes, record) -> None:
     case = cases[sizes.tactic_case]
-    arms = {
-        "none": lambda: [],
-        "ActivationOffloading": lambda: [ActivationOffloading()],
-        "EmptyCache(all phases)": lambda: [EmptyCache(phases="all")],
-    }
-    for arm, callbacks in arms.items():
+    for arm in args.arms:
+        if ARMS[arm] is None:
+            record("tactics", "optimizer state in host memory", lambda: {"skipped": "not built in lit-rl yet"})
+            continue
         record("tactics", f"grpo / {case.name} / {arm}",
-               lambda a=arm, cb=callbacks: _tactic_entry(a, cb(), case, sizes, args))  # fmt: skip
-    record("tactics", "optimizer state in host memory", lambda: {"skipped": "not built in lit-rl yet"})
+               lambda a=arm: _tactic_entry(a, ARMS[a](), case, sizes, args))  # fmt: skip
 
 
 def _tactic_entry(arm: str, callbacks: list, case: Case, sizes: Sizes, args) -> dict:
@@ -292,10 +306,13 @@ def _oom_entry(case: Case, sizes: Sizes, args) -> dict:
     """A step whose budget is below its predicted peak: the report must name the phase and a tactic; we live on."""
     if not torch.cuda.is_available():
         return {"skipped": "needs CUDA (set_per_process_memory_fraction)"}
-    probe = fit("grpo", case, sizes, Path(args.workdir) / "oom_probe")
-    peak = max(s["peak_gib"]["max"] for s in probe["phases"].values() if s.get("peak_gib")) * GIB
-    weights = probe["phases"]["rollout"]["peak_gib"]["max"] * GIB  # weights, reference copy and the rollout
-    budget = (weights + peak) / 2  # above what loads, below what the step needs
+    if args.oom_budget_gib:
+        budget, peak = args.oom_budget_gib * GIB, None
+    else:
+        probe = fit("grpo", case, sizes, Path(args.workdir) / "oom_probe")
+        peak = max(s["peak_gib"]["max"] for s in probe["phases"].values() if s.get("peak_gib")) * GIB
+        weights = probe["phases"]["rollout"]["peak_gib"]["max"] * GIB  # weights, reference copy and the rollout
+        budget = (weights + peak) / 2  # above what loads, below what the step needs
     total = torch.cuda.get_device_properties(0).total_memory
     report = OOMReport()
     torch.cuda.set_per_process_memory_fraction(budget / total)
@@ -307,7 +324,7 @@ def _oom_entry(case: Case, sizes: Sizes, args) -> dict:
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
     written = json.loads(Path(report.report_path).read_text()) if report.report_path else None
-    return {"budget_gib": budget / GIB, "step_peak_gib": peak / GIB, "error": error, "report": written,
+    return {"budget_gib": budget / GIB, "step_peak_gib": peak and peak / GIB, "error": error, "report": written,
             "alive_after": torch.ones(1, device="cuda").item() == 1.0}  # fmt: skip
 
 
@@ -418,6 +435,9 @@ def render(results: dict) -> str:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     cases, sizes = (QUICK, QUICK_SIZES) if args.quick else (FULL, Sizes())
+    chosen = {"steps": args.steps, "new_tokens": args.new_tokens,
+              "decode_lengths": args.decode_lengths and tuple(args.decode_lengths)}  # fmt: skip
+    sizes = replace(sizes, **{k: v for k, v in chosen.items() if v})
     if not args.quick and not torch.cuda.is_available():
         raise SystemExit(
             "bench/device_check.py: no CUDA device; run it on a GPU machine, or pass --quick for tiny shapes"
