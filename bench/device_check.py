@@ -114,6 +114,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=float,
         help="the OOM part's budget; default: halfway between a probe run's rollout and step peaks",
     )
+    parser.add_argument("--render", metavar="JSON", help="rewrite --out's table from a run's JSON; measures nothing")
     parser.add_argument("--out", default=str(harness.ROOT / "bench" / "results" / "gpu.md"), help="the table (.md)")
     parser.add_argument("--workdir", default="/tmp/lit_rl_device_check", help="run folders (logs, reports)")
     return parser.parse_args(argv)
@@ -267,7 +268,7 @@ def _decode_entry(sizes: Sizes, device: torch.device, dtype: str) -> dict:
                 first = run(side, length)  # warms (and for the compiled step, compiles and captures the graph)
                 best = min(run(side, length) for _ in range(2))
                 row[side] = {"first_s": first, "best_s": best, "tokens_per_s": repeats * length / best}
-            out["lengths"][length] = row
+            out["lengths"][str(length)] = row  # JSON keys are strings: the same whether read back or not
     finally:
         model = None  # the closure above holds the name: rebinding frees the weights before _clear
         _clear()
@@ -359,6 +360,12 @@ def render(results: dict) -> str:
         f"Device: {env['device']} ({_f(env['memory_gib'], '.1f')} GiB), CUDA {env['cuda']}, Python {env['python']}; "
         + ", ".join(f"{k} {v}" for k, v in env["versions"].items()) + ".",
         "Bytes depend on the shapes, not on load; seconds depend on the device and what else ran on it.",
+        *([] if results.get("finished") else [
+            "",
+            f"**This run stopped before it finished** (its time limit): of the parts {', '.join(results['parts'])}, "
+            "those without rows below were not reached. Seconds per measurement: "
+            + ", ".join(f"{k} {v:.0f} s" for k, v in results.get("seconds", {}).items()) + ".",
+        ]),
         "",
         "## Per-phase peaks: the CUDA allocator against the estimator",
         "",
@@ -380,6 +387,17 @@ def render(results: dict) -> str:
                 f"{_f(row['predicted_gib'], '.3f')} | {_f(row['error_pct'], '+.1f')}% | {_f(row['seconds'], '.3f')} | "
                 f"{_f(row['floor_s'], '.4f')} |"
             )
+    rates: dict[str, list] = {}
+    for entry in results["peaks"].values():
+        got = entry.get("roofline_rates") or {}
+        if got.get("matmul_flops_per_s"):
+            rates.setdefault(got["dtype"], []).append((got["matmul_flops_per_s"], got["bandwidth_bytes_per_s"]))
+    if rates:
+        lines += ["", "The rates behind the floors (the roofline's quick measurement at the end of each run): " + "; ".join(
+            f"{dtype} matmul {min(r[0] for r in got) / 1e12:.0f}-{max(r[0] for r in got) / 1e12:.0f} TFLOP/s, "
+            f"bandwidth {min(r[1] for r in got) / 1e12:.2f}-{max(r[1] for r in got) / 1e12:.2f} TB/s"
+            for dtype, got in rates.items()) + ". A dash: the run's roofline gave that phase no floor "
+            "(gpu.json keeps what it did give)."]  # fmt: skip
     errors = [abs(r["error_pct"]) for e in results["peaks"].values() for r in e.get("phases", [])
               if r["error_pct"] is not None]  # fmt: skip
     if errors:
@@ -438,6 +456,10 @@ def main(argv: list[str] | None = None) -> dict:
     chosen = {"steps": args.steps, "new_tokens": args.new_tokens,
               "decode_lengths": args.decode_lengths and tuple(args.decode_lengths)}  # fmt: skip
     sizes = replace(sizes, **{k: v for k, v in chosen.items() if v})
+    if args.render:
+        results = json.loads(Path(args.render).read_text())
+        Path(args.out).write_text(render(results))
+        return results
     if not args.quick and not torch.cuda.is_available():
         raise SystemExit(
             "bench/device_check.py: no CUDA device; run it on a GPU machine, or pass --quick for tiny shapes"
@@ -445,6 +467,7 @@ def main(argv: list[str] | None = None) -> dict:
     out = Path(args.out)
     command = "python bench/device_check.py" + (" " + " ".join(argv if argv is not None else sys.argv[1:])).rstrip()
     results: dict[str, Any] = {"command": command.strip(), "quick": args.quick, "environment": environment(),
+                               "parts": args.parts, "seconds": {}, "finished": False,
                                **{part: {} for part in ("peaks", "decode", "tactics", "oom")}}  # fmt: skip
 
     def save() -> None:
@@ -463,11 +486,13 @@ def main(argv: list[str] | None = None) -> dict:
                 "error": f"{type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}"
             }
             _clear()
-        print(f"[device_check] {part}: {key} done in {time.perf_counter() - start:.1f} s", flush=True)
+        results["seconds"][f"{part}: {key}"] = time.perf_counter() - start
+        print(f"[device_check] {part}: {key} done in {results['seconds'][f'{part}: {key}']:.1f} s", flush=True)
         save()
 
     for part in args.parts:
         PARTS[part](args, cases, sizes, record)
+    results["finished"] = True
     save()
     print(out.read_text())
     return results

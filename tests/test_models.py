@@ -66,3 +66,27 @@ def test_embedded_default_converts_once_and_reloads(tmp_path, monkeypatch):
     tok = load_tokenizer("embedded")
     assert model.config.vocab_size == 49152 and model.config.hidden_size == 576
     assert tok.chat_template and tok.pad_token is not None
+
+
+def test_shape_name_builds_the_real_architecture_with_random_weights():
+    from lit_rl.models import BUILTIN_SHAPES, load_causal_lm, load_tokenizer
+
+    model = load_causal_lm("shape:smollm2-135m")  # the parity check runs on its random weights
+    shape = BUILTIN_SHAPES["smollm2-135m"]
+    assert model.config.hidden_size == shape["hidden_size"] and model.config.vocab_size == shape["vocab_size"]
+    assert model.config.num_hidden_layers == shape["num_hidden_layers"]
+    tokenizer = load_tokenizer("shape:smollm2-135m")
+    assert len(tokenizer) < model.config.vocab_size and model.config.eos_token_id == tokenizer.eos_token_id
+    with pytest.raises(ValueError, match="unknown model shape 'shape:nope'; use one of shape:qwen2.5-0.5b"):
+        load_causal_lm("shape:nope")
+
+
+def test_load_time_checks_run_under_another_default_device():
+    """Lightning builds a model inside ``torch.device(<accelerator>)``: the checks' own random tokens must not follow
+    that default (on a GPU they did, and every model load failed: a CPU generator met a CUDA ``randint``)."""
+    from lit_rl.models import check_head_parity
+    from lit_rl.models.tiny import tiny_model
+
+    model = tiny_model("qwen2", vocab_size=128)
+    with torch.device("meta"):  # a default device other than the model's, as CUDA is for a CPU generator
+        check_head_parity(model, "tiny:qwen2")

@@ -1,0 +1,61 @@
+"""bench/device_check.py --quick runs end to end on a CPU, so the GPU check cannot rot before a GPU is at hand.
+
+At tiny shapes the figures mean nothing; what is checked is that every part runs, that each one that needs CUDA says
+so instead of failing silently, and that the table is rendered from the JSON the run wrote. On a CPU the profiler's
+tensor accounting and the estimator count the same tensors, so the predicted peaks agree closely there too.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from bench_loader import load_bench
+
+pytestmark = [pytest.mark.bench, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("device_check") / "gpu.md"
+    with load_bench("device_check.py") as module:
+        results = module.main(["--quick", "--out", str(out), "--workdir", str(out.parent / "runs")])
+        rendered = module.render(json.loads(out.with_suffix(".json").read_text()))
+    return results, out, rendered
+
+
+def test_every_part_ran_and_the_run_finished(run):
+    results, out, rendered = run
+    assert results["finished"] is True
+    assert out.read_text() == rendered  # the table is the JSON's, so --render rebuilds it exactly
+    assert "stopped before it finished" not in rendered
+    assert set(results["peaks"]) == {f"{m} / {c}" for m in ("grpo", "intuitor", "gumbel_topk")
+                                     for c in ("tiny full FT fp32", "tiny LoRA bf16", "tiny LoRA NF4")}  # fmt: skip
+
+
+def test_peaks_have_every_phase_measured_and_predicted(run):
+    results, _, _ = run
+    for key, entry in results["peaks"].items():
+        assert "phases" in entry, (key, entry)
+        phases = {row["phase"] for row in entry["phases"]}
+        expected = {"generate", "reward", "backward", "optimizer"} if key.startswith("gumbel_topk") else {
+            "rollout", "reference", "policy_forward", "backward", "optimizer"}  # fmt: skip
+        assert phases == expected, key
+        for row in entry["phases"]:
+            assert row["allocated_gib"] > 0 and row["predicted_gib"] > 0, (key, row)
+            assert abs(row["error_pct"]) < 10, (key, row)
+
+
+def test_decode_tactics_and_oom_report_what_needs_cuda(run):
+    results, _, rendered = run
+    decode = results["decode"]["tiny:qwen2 bfloat16"]
+    for side in ("generate", "own", "compiled"):
+        assert decode["lengths"]["8"][side]["tokens_per_s"] > 0, side
+    assert results["decode"]["bandwidth"]["copy_bytes_per_s"] > 0
+    tactics = results["tactics"]
+    assert "phases" in tactics["grpo / tiny LoRA bf16 / none"]
+    assert "phases" in tactics["grpo / tiny LoRA bf16 / EmptyCache"]
+    assert "GPU" in tactics["grpo / tiny LoRA bf16 / ActivationOffloading"]["error"]  # refused on a CPU, in one line
+    assert tactics["optimizer state in host memory"] == {"skipped": "not built in lit-rl yet"}
+    assert results["oom"]["oversized step"] == {"skipped": "needs CUDA (set_per_process_memory_fraction)"}
+    assert "## The OOM report" in rendered
