@@ -32,10 +32,12 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import multiprocessing
 import os
 import sys
 import time
 import traceback
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -43,9 +45,11 @@ from typing import Any
 import harness
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import Callback
 
 from lit_rl.callbacks import ActivationOffloading, EmptyCache, MemoryProfiler, OOMReport
 from lit_rl.data import PromptDataModule
+from lit_rl.memory import estimate_step, settings_from
 from lit_rl.methods import GumbelTopK, Intuitor, RefCachedGRPO
 from lit_rl.models import LoraSettings, load_causal_lm, load_tokenizer, sample_completions
 
@@ -83,10 +87,10 @@ class Sizes:
     """Rollout and run lengths: the full run's on a GPU, tiny ones for ``--quick``."""
 
     generations: int = 4
-    new_tokens: int = 128
+    new_tokens: int = 64
     gumbel_tokens: int = 16  # GumbelTopK backpropagates through every soft token: a shorter rollout
     prompt_length: int = 64
-    steps: int = 3  # the first warms up (allocations, kernels); the roofline times the later ones
+    steps: int = 2  # the first warms up (allocations, kernels, AdamW's state); the second is measured
     decode_rows: int = 8
     decode_lengths: tuple[int, ...] = (256,)
     decode_model: str = "shape:qwen2.5-0.5b"
@@ -105,8 +109,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--parts", nargs="+", default=list(PARTS), choices=list(PARTS),
                         help="in this order; the 7B runs (peaks_large) last, as the ones most likely to run long")  # fmt: skip
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
-    parser.add_argument("--steps", type=int, help="optimizer steps per fit (default 3; 2 on --quick)")
-    parser.add_argument("--new-tokens", type=int, help="completion length of GRPO and Intuitor (default 128)")
+    parser.add_argument("--steps", type=int, help="optimizer steps per fit (default 2)")
+    parser.add_argument("--new-tokens", type=int, help="completion length of GRPO and Intuitor (default 64)")
     parser.add_argument("--decode-lengths", type=int, nargs="+", help="decode lengths (default 256)")
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS), help="the tactics part's arms")
     parser.add_argument(
@@ -114,6 +118,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=float,
         help="the OOM part's budget; default: halfway between a probe run's rollout and step peaks",
     )
+    parser.add_argument("--workers", type=int, help="processes for the predictions (default: cores - 2, at most 8)")
     parser.add_argument("--render", metavar="JSON", help="rewrite --out's table from a run's JSON; measures nothing")
     parser.add_argument("--out", default=str(harness.ROOT / "bench" / "results" / "gpu.md"), help="the table (.md)")
     parser.add_argument("--workdir", default="/tmp/lit_rl_device_check", help="run folders (logs, reports)")
@@ -149,13 +154,78 @@ def _clear() -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
+class StepShapes(Callback):
+    """Each training step's shapes, as the profiler's own predictions take them: prompts, padded width, whether any
+    prompt is padded, and the completion length the method reports having generated (``step_shape``)."""
+
+    def __init__(self) -> None:
+        self.shapes: list[tuple[int, int, bool, int | None]] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        mask = batch["attention_mask"]
+        new_tokens = (getattr(pl_module, "step_shape", None) or {}).get("new_tokens")
+        self.shapes.append((int(mask.shape[0]), int(mask.shape[1]), bool((mask == 0).any()), new_tokens))
+
+
+def predict(method_name: str, case: Case, sizes: Sizes, arm: str | None, shape: tuple, device_type: str) -> dict:
+    """The estimator's per-phase steady-state peaks (bytes) for one step shape of a fit; runs in a worker process.
+
+    The same call the MemoryProfiler makes for a measured step (``estimate_step`` with the run's precision, callbacks
+    and device type, at the step's own shapes), made here beside the GPU instead of inside the training loop: on a
+    0.5-1.5B model it costs 17-55 s of CPU per shape (bench/results/gpu.log), longer than the steps it predicts.
+    """
+    torch.set_num_threads(1)
+    batch_size, prompt_length, padded, new_tokens = shape
+    callbacks = ARMS[arm]() if arm else []
+    settings = settings_from(_data(sizes), precision=case.precision, callbacks=callbacks, device_type=device_type)
+    settings.update(batch_size=batch_size, prompt_length=prompt_length, padded=padded)
+    if new_tokens is not None:
+        settings["max_new_tokens"] = max(int(new_tokens), 1)  # every method here names its length max_new_tokens
+    return dict(estimate_step(_method(method_name, case, sizes), **settings).phases)
+
+
+class Predictions:
+    """Predictions in a pool of worker processes, while the GPU goes on measuring; joined into the rows at the end."""
+
+    def __init__(self, workers: int) -> None:
+        context = multiprocessing.get_context("spawn")  # no fork of a process that holds CUDA
+        self.pool = ProcessPoolExecutor(max_workers=workers, mp_context=context)
+        self.pending: list[tuple[dict, list]] = []
+
+    def submit(self, entry: dict, method_name: str, case: Case, sizes: Sizes, arm: str | None, shapes) -> None:
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        futures = [self.pool.submit(predict, method_name, case, sizes, arm, shape, device_type)
+                   for shape in sorted(set(shapes), key=str)]  # fmt: skip
+        self.pending.append((entry, futures))
+
+    def join(self, save) -> None:
+        """Fill each entry's predicted and error columns (per phase, the largest prediction over its step shapes)."""
+        for entry, futures in self.pending:
+            try:
+                predicted = [f.result() for f in futures]
+            except Exception as err:  # a failed prediction is that entry's note, not the end of the check
+                entry["prediction_error"] = (
+                    f"{type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}"
+                )
+                continue
+            for row in entry["phases"]:
+                values = [p[row["phase"]] for p in predicted if row["phase"] in p]
+                if values:
+                    row["predicted_gib"] = max(values) / GIB
+                    measured = row["allocated_gib"]
+                    row["error_pct"] = 100 * (row["predicted_gib"] - measured) / measured if measured else None
+            save()
+        self.pool.shutdown()
+
+
 def fit(method_name: str, case: Case, sizes: Sizes, root: Path, callbacks: list | None = None, **extra: Any) -> dict:
-    """Train ``sizes.steps`` steps under the MemoryProfiler; its summary (per phase: peaks, prediction, roofline)."""
+    """Train ``sizes.steps`` steps under the MemoryProfiler (no predictions of its own: :class:`Predictions` makes
+    them); its summary (per phase: peaks and the roofline) and the steps' shapes."""
     _clear()
-    profiler = MemoryProfiler(every_n_steps=1)
+    profiler, shapes = MemoryProfiler(every_n_steps=1, predict=False), StepShapes()
     trainer = L.Trainer(
         accelerator="auto", devices=1, precision=case.precision, max_steps=sizes.steps, logger=False,
-        callbacks=[profiler, *(callbacks or [])], enable_checkpointing=False, enable_progress_bar=False,
+        callbacks=[profiler, shapes, *(callbacks or [])], enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0, default_root_dir=str(root),
     )  # fmt: skip
     method = _method(method_name, case, sizes, **extra)
@@ -167,21 +237,20 @@ def fit(method_name: str, case: Case, sizes: Sizes, root: Path, callbacks: list 
         del trainer, method
         _clear()
     summary["wall_s"] = time.perf_counter() - start
+    summary["shapes"] = shapes.shapes
     return summary
 
 
 def phase_rows(summary: dict) -> list[dict]:
-    """Per phase: measured allocated and reserved GiB (max over steps), predicted GiB, error, seconds and floor."""
+    """Per phase: allocated and reserved GiB (the steady state: the steps after the first, where AdamW has its
+    state), seconds and floor; predicted GiB and error come from :class:`Predictions`."""
     roofline = summary.get("roofline", {}).get("phases", {})
     rows = []
     for phase, stats in summary["phases"].items():
-        measured = (stats.get("peak_gib") or {}).get("max")
-        predicted = stats.get("predicted_gib")
         time_ = roofline.get(phase, {})
         rows.append({
-            "phase": phase, "allocated_gib": measured, "reserved_gib": (stats.get("reserved_gib") or {}).get("max"),
-            "predicted_gib": predicted,
-            "error_pct": None if not measured or predicted is None else 100 * (predicted - measured) / measured,
+            "phase": phase, "allocated_gib": (stats.get("peak_gib") or {}).get("steady"),
+            "reserved_gib": (stats.get("reserved_gib") or {}).get("steady"), "predicted_gib": None, "error_pct": None,
             "seconds": time_.get("measured_s"), "floor_s": time_.get("floor_s"), "achieved": time_.get("achieved"),
         })  # fmt: skip
     return rows
@@ -207,8 +276,11 @@ def part_peaks_large(args, cases, sizes, record) -> None:
 
 def _peaks_entry(name: str, case: Case, sizes: Sizes, args) -> dict:
     summary = fit(name, case, sizes, Path(args.workdir) / "peaks" / f"{name}_{case.model.split(':')[-1]}")
-    return {"case": asdict(case), "method": name, "phases": phase_rows(summary), "wall_s": summary["wall_s"],
-            "roofline_rates": summary.get("roofline", {}).get("rates"), "measurement": summary["measurement"]}  # fmt: skip
+    entry = {"case": asdict(case), "method": name, "phases": phase_rows(summary), "wall_s": summary["wall_s"],
+             "shapes": summary["shapes"], "roofline_rates": summary.get("roofline", {}).get("rates"),
+             "measurement": summary["measurement"]}  # fmt: skip
+    args.predictions.submit(entry, name, case, sizes, None, summary["shapes"])
+    return entry
 
 
 def copy_bandwidth(device: torch.device) -> float:
@@ -296,7 +368,9 @@ def part_tactics(args, cases, sizes, record) -> None:
 def _tactic_entry(arm: str, callbacks: list, case: Case, sizes: Sizes, args) -> dict:
     root = Path(args.workdir) / "tactics" / arm.split("(")[0]
     summary = fit("grpo", case, sizes, root, callbacks=callbacks)
-    return {"arm": arm, "phases": phase_rows(summary), "wall_s": summary["wall_s"]}
+    entry = {"arm": arm, "phases": phase_rows(summary), "wall_s": summary["wall_s"], "shapes": summary["shapes"]}
+    args.predictions.submit(entry, "grpo", case, sizes, arm, summary["shapes"])
+    return entry
 
 
 def part_oom(args, cases, sizes, record) -> None:
@@ -369,10 +443,14 @@ def render(results: dict) -> str:
         "",
         "## Per-phase peaks: the CUDA allocator against the estimator",
         "",
-        "Allocated is `max_memory_allocated` over the phase (max over the steps), reserved the allocator's "
-        "`max_memory_reserved`; predicted is the estimator's figure at the step's own shapes, error = "
-        "(predicted - allocated) / allocated. Seconds are the median of the steps after the first; the floor is the "
-        "phase's roofline at the rates measured on this device at the end of each run.",
+        "Allocated is `max_memory_allocated` over the phase ("
+        + ("the steady state: the steps after the first, where AdamW has its state" if results.get("allocated_stat")
+           == "steady" else "max over the steps")
+        + "), reserved the allocator's `max_memory_reserved`; predicted is the estimator's figure at the step's own "
+        "shapes (" + ("computed in worker processes, the call the profiler makes" if results.get("allocated_stat")
+                      == "steady" else "the profiler's own prediction")
+        + "), error = (predicted - allocated) / allocated. Seconds are the median of the steps after the first; the "
+        "floor is the phase's roofline at the rates measured on this device at the end of each run.",
         "",
         "| method / setting | phase | allocated GiB | reserved GiB | predicted GiB | error | seconds | floor s |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
@@ -467,7 +545,7 @@ def main(argv: list[str] | None = None) -> dict:
     out = Path(args.out)
     command = "python bench/device_check.py" + (" " + " ".join(argv if argv is not None else sys.argv[1:])).rstrip()
     results: dict[str, Any] = {"command": command.strip(), "quick": args.quick, "environment": environment(),
-                               "parts": args.parts, "seconds": {}, "finished": False,
+                               "parts": args.parts, "seconds": {}, "finished": False, "allocated_stat": "steady",
                                **{part: {} for part in ("peaks", "decode", "tactics", "oom")}}  # fmt: skip
 
     def save() -> None:
@@ -490,8 +568,11 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"[device_check] {part}: {key} done in {results['seconds'][f'{part}: {key}']:.1f} s", flush=True)
         save()
 
+    args.predictions = Predictions(args.workers or max(1, min(8, (os.cpu_count() or 2) - 2)))
     for part in args.parts:
         PARTS[part](args, cases, sizes, record)
+    print("[device_check] waiting for the estimator's predictions ...", flush=True)
+    args.predictions.join(save)
     results["finished"] = True
     save()
     print(out.read_text())

@@ -59,3 +59,23 @@ def test_decode_tactics_and_oom_report_what_needs_cuda(run):
     assert tactics["optimizer state in host memory"] == {"skipped": "not built in lit-rl yet"}
     assert results["oom"]["oversized step"] == {"skipped": "needs CUDA (set_per_process_memory_fraction)"}
     assert "## The OOM report" in rendered
+
+
+def test_worker_predictions_are_the_profilers_own(tmp_path):
+    """The check predicts beside the GPU, in worker processes; what it computes must be what the profiler computes
+    for the same step inside the training loop."""
+    import lightning as L
+
+    from lit_rl.callbacks import MemoryProfiler
+
+    with load_bench("device_check.py") as module:
+        case, sizes = module.QUICK[0], module.QUICK_SIZES
+        profiler, shapes = MemoryProfiler(every_n_steps=1), module.StepShapes()
+        trainer = L.Trainer(
+            accelerator="cpu", precision=case.precision, max_steps=2, logger=False, callbacks=[profiler, shapes],
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+            num_sanity_val_steps=0, default_root_dir=str(tmp_path),
+        )  # fmt: skip
+        trainer.fit(module._method("grpo", case, sizes), module._data(sizes))
+        assert profiler.last_record["step"] == 1 and len(shapes.shapes) == 2
+        assert module.predict("grpo", case, sizes, None, shapes.shapes[-1], "cpu") == profiler.last_record["predicted"]
