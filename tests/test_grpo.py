@@ -69,9 +69,10 @@ def test_generation_mask_stops_after_first_eos():
     method = _ready(_method())
     eos = method.tokenizer.eos_token_id
     completion = torch.tensor([[5, eos, 7, 8], [5, 6, 7, 8]])
-    method.generate = lambda ids, am: (
+    method.generate = lambda ids, am, return_logprobs: (
         torch.cat([ids.repeat_interleave(2, 0)[:2], completion], 1),
         torch.tensor([[1.0, 1, 0, 0], [1, 1, 1, 1]]),
+        None,  # as where generate samples: no sampler log-probs
     )
     batch = {
         "input_ids": torch.ones(1, 3, dtype=torch.long),

@@ -9,13 +9,21 @@ agree. Skipped where TRL is not installed; the README's test command installs it
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from lit_rl.losses import GLOBAL_TOKEN_LOSS_TYPES, LOSS_TYPES, entropy_bonus, grpo_loss, high_entropy_mask
+from lit_rl.losses import (
+    GLOBAL_TOKEN_LOSS_TYPES,
+    LOSS_TYPES,
+    entropy_bonus,
+    grpo_loss,
+    high_entropy_mask,
+    sampler_weights,
+)
 
 trl_grpo = pytest.importorskip(
     "trl.trainer.grpo_trainer", reason="TRL is not installed: pip install -e '.[dev]' installs it"
@@ -38,7 +46,23 @@ def _inputs(seed: int, dtype: torch.dtype = torch.float64) -> dict[str, torch.Te
     # float32 as token_stats gives them in training: TRL takes the quantile of float32 entropies, and from float64
     # ones its float32 threshold can round above the largest entropy and keep no token at all
     entropy = torch.rand(B, T, generator=gen, dtype=torch.float32) * 4
-    return {"logp": logp, "old": old, "ref": ref, "adv": adv, "mask": mask, "entropy": entropy}
+    sampler = old + 0.5 * torch.randn(B, T, generator=gen, dtype=dtype)  # a sampler that is not the trainer
+    sampler[1, 0] = float("nan")  # a token the sampler could not score: TRL counts it as ratio 1
+    return {"logp": logp, "old": old, "ref": ref, "adv": adv, "mask": mask, "entropy": entropy, "sampler": sampler}
+
+
+def _trl_sampling_ratio(data: dict[str, torch.Tensor], mode: str, clip_min, clip_max) -> torch.Tensor:
+    """TRL 1.16's vLLM importance-sampling ratio, as ``GRPOTrainer._generate_and_score_completions`` computes it
+    (it cannot be called alone: this is that code, transcribed, on the old and the sampler's log-probs)."""
+    diff = torch.nan_to_num((data["old"] - data["sampler"]) * data["mask"], nan=0.0)
+    if mode in ("sequence_mask", "sequence_truncate"):
+        diff = diff.sum(dim=-1, keepdim=True)
+    ratio = torch.exp(diff)
+    if mode in ("sequence_truncate", "token_truncate"):
+        return torch.clamp(ratio, min=clip_min, max=clip_max)
+    low = clip_min if clip_min is not None else -math.inf
+    high = clip_max if clip_max is not None else math.inf
+    return ratio.masked_fill((ratio < low) | (ratio > high), value=0.0)
 
 
 class _Accelerator:
@@ -88,7 +112,8 @@ def _trl_loss(data: dict[str, torch.Tensor], options: dict) -> tuple[torch.Tenso
         off_policy_mask_threshold=options.get("off_policy_mask_threshold"),
         max_completion_length=MAX_COMPLETION_LENGTH,
         current_gradient_accumulation_steps=1,
-        use_vllm=False,
+        use_vllm="sampler" in options,
+        vllm_importance_sampling_correction="sampler" in options,
         aux_loss_enabled=False,
         _entropy_bonus_enabled=coef != 0.0,
         entropy_coef=coef,
@@ -110,6 +135,8 @@ def _trl_loss(data: dict[str, torch.Tensor], options: dict) -> tuple[torch.Tenso
         "ref_per_token_logps": data["ref"],
         "num_items_in_batch": mask.sum().to(data["logp"].dtype),
     }
+    if "sampler" in options:
+        inputs["importance_sampling_ratio"] = _trl_sampling_ratio(data, *options["sampler"])
     loss = GRPOTrainer._compute_loss(trainer, None, inputs)
     d_logp, d_entropy = torch.autograd.grad(loss, (logp, entropy), allow_unused=True)
     return loss.detach(), d_logp, d_entropy
@@ -118,7 +145,13 @@ def _trl_loss(data: dict[str, torch.Tensor], options: dict) -> tuple[torch.Tenso
 def _our_loss(data: dict[str, torch.Tensor], options: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     logp = data["logp"].clone().requires_grad_(True)
     entropy = data["entropy"].clone().requires_grad_(True)
-    opts = {k: v for k, v in options.items() if k not in ("entropy_coef", "top_entropy_quantile", "off_policy")}
+    opts = {k: v for k, v in options.items()
+            if k not in ("entropy_coef", "top_entropy_quantile", "off_policy", "sampler")}  # fmt: skip
+    weights = None
+    if "sampler" in options:
+        mode, clip_min, clip_max = options["sampler"]
+        weights = sampler_weights(data["old"], data["sampler"], data["mask"], mode=mode, clip_min=clip_min,
+                                  clip_max=clip_max)  # fmt: skip
     quantile = options.get("top_entropy_quantile", 1.0)
     token_mask = high_entropy_mask(entropy, data["mask"], quantile) if quantile < 1.0 else None
     loss, _ = grpo_loss(
@@ -130,6 +163,7 @@ def _our_loss(data: dict[str, torch.Tensor], options: dict) -> tuple[torch.Tenso
         max_completion_length=MAX_COMPLETION_LENGTH,
         num_items_in_batch=data["mask"].sum() if options["loss_type"] in GLOBAL_TOKEN_LOSS_TYPES else None,
         token_mask=token_mask,
+        sampler_weights=weights,
         **opts,
     )
     if options.get("entropy_coef", 0.0):
@@ -165,6 +199,14 @@ CASES.update(
         "dapo-off-policy-mask": {"loss_type": "dapo", "off_policy_mask_threshold": 0.05},
         "dapo-entropy-bonus": {"loss_type": "dapo", "entropy_coef": 0.01},
         "grpo-entropy-bonus-top-entropy": {"loss_type": "grpo", "entropy_coef": 0.02, "top_entropy_quantile": 0.3},
+        "dapo-sampler-sequence-mask": {"loss_type": "dapo", "sampler": ("sequence_mask", None, 3.0)},
+        "grpo-sampler-token-truncate-kl": {"loss_type": "grpo", "beta": 0.04, "sampler": ("token_truncate", 0.5, 2.0)},
+        "bnpo-sampler-token-mask": {"loss_type": "bnpo", "sampler": ("token_mask", 0.8, 1.5)},
+        "cispo-sampler-sequence-truncate": {"loss_type": "cispo", "epsilon_high": 5.0,
+                                            "sampler": ("sequence_truncate", None, 2.0)},
+        "sapo-sampler-sequence-mask-min": {"loss_type": "sapo", "sampler": ("sequence_mask", 0.5, None)},
+        "luspo-sequence-sampler-token-mask": {"loss_type": "luspo", "importance_sampling_level": "sequence",
+                                              "sampler": ("token_mask", None, 1.5)},
         "dr_grpo-everything": {"loss_type": "dr_grpo", "beta": 0.05, "use_bias_correction_kl": True, "delta": 1.4,
                                "top_entropy_quantile": 0.6, "off_policy_mask_threshold": 0.1, "entropy_coef": 0.01},
     }

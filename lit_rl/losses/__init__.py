@@ -28,6 +28,9 @@ What is here and where it comes from:
   built; a method takes it as its ``loss`` group (``model.init_args.loss`` in a config).
 - :func:`entropy_bonus`: the mean entropy an ``entropy_coef`` rewards (Skywork-OR1, arXiv 2505.22312,
   uses such a bonus).
+- :func:`sampler_weights` and :func:`sampler_mismatch` (:mod:`lit_rl.losses.sampler`): the sampler's log-probs
+  against the trainer's, the truncated or masked importance weights that correct for the gap (TRL's vLLM
+  correction, its modes and bounds) and the gap a run logs every step.
 
 Every option is named as TRL's ``GRPOConfig`` names it and computes what TRL 1.16's ``GRPOTrainer``
 computes; ``tests/test_losses_trl.py`` runs TRL's own loss on the same tensors, option by option, and
@@ -48,6 +51,7 @@ How this differs from the papers and from TRL:
 
 from lit_rl.losses.advantages import SCALE_REWARDS, frac_zero_std, group_advantages
 from lit_rl.losses.policy import CLIPPED_LOSS_TYPES, GLOBAL_TOKEN_LOSS_TYPES, NORMALISATIONS, POLICY_TERMS, grpo_loss
+from lit_rl.losses.sampler import SAMPLER_CORRECTION_MODES, sampler_mismatch, sampler_weights
 from lit_rl.losses.settings import LOSS_TYPES, LossSettings
 from lit_rl.losses.terms import (
     IMPORTANCE_SAMPLING_LEVELS,
@@ -67,6 +71,7 @@ __all__ = [
     "LOSS_TYPES",
     "NORMALISATIONS",
     "POLICY_TERMS",
+    "SAMPLER_CORRECTION_MODES",
     "SCALE_REWARDS",
     "LossSettings",
     "entropy_bonus",
@@ -78,5 +83,7 @@ __all__ = [
     "masked_mean",
     "masked_quantile",
     "off_policy_mask",
+    "sampler_mismatch",
+    "sampler_weights",
     "vespo_weights",
 ]

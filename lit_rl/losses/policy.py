@@ -137,6 +137,7 @@ def grpo_loss(
     max_completion_length: int | None = None,
     num_items_in_batch: int | float | Tensor | None = None,
     token_mask: Tensor | None = None,
+    sampler_weights: Tensor | None = None,
     **options: Any,
 ) -> tuple[Tensor, dict[str, float]]:
     """The GRPO-family loss of one micro-batch: a policy term, optional masks and KL, one normalisation.
@@ -149,7 +150,8 @@ def grpo_loss(
         sapo            -sigmoid(tau * (r - 1)) * 4 / tau * A                         tau by the sign of A
         vespo           -sg(phi(w)) * A * logp                                        see vespo_weights
 
-    It is multiplied by ``token_mask`` and the off-policy mask when given, then ``beta * kl_t`` is added, with
+    It is multiplied by ``token_mask``, the off-policy mask and ``sampler_weights`` when given, then ``beta * kl_t`` is
+    added, with
     ``kl_t = exp(ref_logp - logp) - (ref_logp - logp) - 1`` (k3, >= 0), times ``r`` when
     ``use_bias_correction_kl``. The masked token sum is then normalised as :data:`NORMALISATIONS` says:
 
@@ -183,6 +185,8 @@ def grpo_loss(
         num_items_in_batch: completion tokens in the global batch, for the global-count types.
         token_mask: optional ``[B, T]`` bool, the tokens the policy term trains on (:func:`high_entropy_mask`);
             the normalisation still counts every completion token, as in TRL.
+        sampler_weights: optional ``[B, T]`` or ``[B, 1]`` importance weights of the sampler against the trainer
+            (:func:`lit_rl.losses.sampler_weights`), on the policy term only, as TRL applies its vLLM correction.
         **options: fields of :class:`~lit_rl.losses.LossSettings` by name (``loss_type="dapo", beta=0.04``), which
             replace those of ``settings``.
 
@@ -215,6 +219,8 @@ def grpo_loss(
         per_token_loss = per_token_loss * off_policy_mask(advantages, logp, old_logp, mask, s.off_policy_mask_threshold)
     if token_mask is not None:
         per_token_loss = per_token_loss * token_mask.to(logp.dtype)  # [B, T]
+    if sampler_weights is not None:
+        per_token_loss = per_token_loss * sampler_weights.to(logp.dtype)  # [B, T] or [B, 1]
     if ref_logp is not None:
         log_ref_ratio = torch.where(valid, ref_logp - logp, 0.0)  # [B, T]
         kl = torch.exp(log_ref_ratio) - log_ref_ratio - 1.0  # [B, T], k3 >= 0

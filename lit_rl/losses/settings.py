@@ -10,11 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, get_args
 
+from lit_rl.losses.sampler import SAMPLER_CORRECTION_MODES
 from lit_rl.losses.terms import IMPORTANCE_SAMPLING_LEVELS
 
 LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
 LOSS_TYPES: tuple[str, ...] = get_args(LossType)
 ImportanceSamplingLevel = Literal["token", "sequence"]  # IMPORTANCE_SAMPLING_LEVELS, as a type the CLI checks
+SamplerCorrectionMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,17 @@ class LossSettings:
             ("Beyond the 80/20 rule" uses 0.2); 1.0 keeps every token. The entropy comes from the same chunked pass
             as the log-probs; under DDP the threshold is taken over every process's tokens.
         entropy_coef: weight of an entropy bonus, the mean entropy of the trained tokens subtracted from the loss.
+        importance_sampling_correction: weigh each token's policy term by ``p_trainer / p_sampler``, the sampler's
+            own log-probs against the trainer's (:mod:`lit_rl.losses.sampler`); TRL's
+            ``vllm_importance_sampling_correction``, which is on there because vLLM samples. Off here by default: the
+            sampler is the trained model itself (the gap is logged every step as ``rollout/sampler_*``; under bf16 it
+            is not zero: docs/methods.md).
+        importance_sampling_mode: ``token_truncate``, ``token_mask``, ``sequence_truncate`` or ``sequence_mask``
+            (TRL's ``vllm_importance_sampling_mode`` and its default).
+        importance_sampling_clip_min: lower bound of the ratio (TRL's ``vllm_importance_sampling_clip_min``), or
+            ``null``.
+        importance_sampling_clip_max: upper bound (TRL's ``vllm_importance_sampling_clip_max``, default 3.0), or
+            ``null``.
 
     ``top_entropy_quantile`` and ``entropy_coef`` need the entropies, which the caller of
     :func:`~lit_rl.losses.grpo_loss` has: it passes the mask (:func:`~lit_rl.losses.high_entropy_mask`) and adds
@@ -83,6 +96,10 @@ class LossSettings:
     off_policy_mask_threshold: float | None = None
     top_entropy_quantile: float = 1.0
     entropy_coef: float = 0.0
+    importance_sampling_correction: bool = False
+    importance_sampling_mode: SamplerCorrectionMode = "sequence_mask"
+    importance_sampling_clip_min: float | None = None
+    importance_sampling_clip_max: float | None = 3.0
 
     def __post_init__(self) -> None:
         # checked here, at parse time, so a bad value is one line naming the field before any model loads
@@ -125,3 +142,23 @@ class LossSettings:
             )
         if self.entropy_coef < 0:
             raise ValueError(f"{where}entropy_coef: must be >= 0, got {self.entropy_coef}; use 0 for no entropy bonus")
+        if self.importance_sampling_mode not in SAMPLER_CORRECTION_MODES:
+            raise ValueError(
+                f"{where}importance_sampling_mode: {self.importance_sampling_mode!r} is not one of "
+                f"{SAMPLER_CORRECTION_MODES}; TRL's default is sequence_mask"
+            )
+        low, high = self.importance_sampling_clip_min, self.importance_sampling_clip_max
+        if (
+            (low is not None and low < 0)
+            or (high is not None and high <= 0)
+            or (None not in (low, high) and low > high)
+        ):
+            raise ValueError(
+                f"{where}importance_sampling_clip_min/_max: [{low}, {high}] is not a range of ratios; use 0 <= min <= max "
+                "with max > 0 (TRL: no min, max 3.0), or null for an open side"
+            )
+        if self.importance_sampling_correction and self.loss_type == "vespo":
+            raise ValueError(
+                f"{where}importance_sampling_correction: not built for loss_type vespo (which folds the ratio into its "
+                "gamma weight); use another loss_type or set it false"
+            )

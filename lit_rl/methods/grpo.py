@@ -19,7 +19,8 @@ masking; see :mod:`lit_rl.losses` and the table in ``docs/methods.md``). How it 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields, replace
+import contextlib
+from dataclasses import asdict, replace
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -35,54 +36,19 @@ from lit_rl.losses import (
     grpo_loss,
     high_entropy_mask,
     masked_mean,
+    sampler_mismatch,
+    sampler_weights,
 )
 from lit_rl.memory.phases import BACKWARD, OPTIMIZER
 from lit_rl.memory.rollout import StepWork
 from lit_rl.methods.base import RLMethod
 from lit_rl.methods.evaluation import distinct_bigrams
-from lit_rl.methods.token_budget import group_order, reorder_rows, row_tokens
+from lit_rl.methods.rollout_batch import Rollout
+from lit_rl.methods.token_budget import row_tokens
 from lit_rl.models import head_spec, sample_completions, trunk_hidden
 from lit_rl.models.shared_prompt import group_runs, shared_prompt_hidden, shared_prompt_unsupported
 from lit_rl.ops import TokenStats, token_stats
 from lit_rl.ops.token_math import LOGITS_BUDGET_BYTES, plan_chunks
-
-
-@dataclass
-class Rollout:
-    """One rollout batch: ``B = prompts * num_generations`` completions and what the update needs."""
-
-    input_ids: torch.Tensor  # [B, P + C] prompt + completion
-    attention_mask: torch.Tensor  # [B, P + C]
-    completion_mask: torch.Tensor  # [B, C] 1 up to and including EOS (0 for truncated ones when masked)
-    prompt_length: int
-    rewards: torch.Tensor  # [B]
-    advantages: torch.Tensor  # [B]
-    ref_logp: torch.Tensor | None = None  # [B, C]
-    old_logp: torch.Tensor | None = None  # [B, C]
-    completions: list[str] = field(default_factory=list)
-    row_tokens: list[int] | None = None  # prompt + completion tokens per row, with micro_batch_tokens only
-
-    def sort_by_length(self, group: int) -> None:
-        """The groups of ``group`` rows reordered longest first (:mod:`lit_rl.methods.token_budget`)."""
-        rows = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "prompt_length"}
-        for name, value in reorder_rows(rows, group_order(self.row_tokens, group)).items():
-            setattr(self, name, value)
-
-    def width(self, sl: slice) -> int:
-        """Completion columns micro-batch ``sl`` needs: to its longest completion with a token budget, else all."""
-        if self.row_tokens is None:
-            return self.completion_mask.shape[1]
-        return max(self.row_tokens[sl]) - self.prompt_length
-
-    def to(self, device: torch.device) -> Rollout:
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, torch.Tensor):
-                setattr(self, f.name, value.to(device))
-        return self
-
-    def __len__(self) -> int:
-        return self.input_ids.shape[0]
 
 
 class RefCachedGRPO(RLMethod):
@@ -94,7 +60,9 @@ class RefCachedGRPO(RLMethod):
     ``clip_ratio/low_mean``, ``clip_ratio/high_mean``, ``clip_ratio/region_mean`` (clipped loss types),
     ``cispo_clip_ratio`` (``cispo``), ``vespo/phi_seq_mean`` (``vespo``), ``entropy/mean``,
     ``completions/mean_length``, ``completions/clipped_ratio``, ``completions/distinct_bigrams``,
-    ``frac_reward_zero_std``, ``loss``,
+    ``frac_reward_zero_std``, ``loss``, ``rollout/sampler_logp_diff/mean`` and ``/max``, ``rollout/sampler_k3``,
+    ``rollout/sampler_past_cap`` (the decode loop's log-probs against the trainer's: :mod:`lit_rl.losses.sampler`;
+    absent where ``generate`` sampled),
     ``prompts/truncated``, ``train/nonfinite_steps``, ``metric/<function>/mean``, ``time/<phase>_s``.
 
     Args:
@@ -121,6 +89,11 @@ class RefCachedGRPO(RLMethod):
             its completions attending to it (exact: equal log-probs and gradients up to floating-point order). Time
             and saved activations of those passes scale with ``u * P + b * C`` tokens instead of ``b * (P + C)``.
             Turned off with a one-line message for a model on which it is not exact (checked at load).
+        rollout_dtype: ``same``: the rollout computes as the trainer does; ``bfloat16``: with float32 weights, the
+            decode loop's matmuls run in bf16 (autocast, each weight cast once per rollout: a bf16 copy of the linear
+            layers held through the rollout, which the estimator charges). Faster where bf16 matmuls are, and the
+            sampler is then not the trainer: the gap is logged as ``rollout/sampler_*``, and
+            ``loss.importance_sampling_correction`` corrects for it. No effect on bf16 weights.
         **kwargs: model, optimizer, micro-batch and metric settings, see :class:`~lit_rl.methods.base.RLMethod`.
 
     Raises:
@@ -150,6 +123,7 @@ class RefCachedGRPO(RLMethod):
         mask_truncated_completions: bool = False,
         chunk_size: int | None = None,
         share_prompt: bool = True,
+        rollout_dtype: Literal["same", "bfloat16"] = "same",
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -221,30 +195,37 @@ class RefCachedGRPO(RLMethod):
             raise ValueError(f"model.top_p: must be in (0, 1], got {hp.top_p}; use 1.0 to sample the full distribution")
         if hp.temperature <= 0:
             raise ValueError(f"model.temperature: must be > 0, got {hp.temperature}; use 1.0 for plain sampling")
+        if hp.rollout_dtype not in ("same", "bfloat16"):
+            raise ValueError(f"model.rollout_dtype: {hp.rollout_dtype!r} is not same or bfloat16; use one of them")
 
     # ------------------------------------------------------------------ rollout
     @torch.no_grad()
-    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, return_logprobs: bool = False):
         """Sample ``num_generations`` completions per prompt with the KV cache.
 
         Returns:
             ``(sequences [B*G, P + C], completion_mask [B*G, C])``: the mask is 1 up to and including
-            the first EOS.
+            the first EOS; with ``return_logprobs`` also the sampler's log-probs ``[B*G, C]`` (``None`` where
+            ``generate`` sampled: :func:`lit_rl.models.sample_completions`).
         """
         hp = self.hparams
         eos = self.eos_ids()
-        sequences = sample_completions(
-            self.policy, input_ids, attention_mask, self.tokenizer.pad_token_id, eos,
-            repeats=hp.num_generations, share_prompt=self.share_prompt, own_decode=self.own_decode,
-            do_sample=True, temperature=hp.temperature, top_p=hp.top_p, top_k=0,
-            max_new_tokens=hp.max_new_tokens, min_new_tokens=hp.min_new_tokens,
-        )  # [B*G, P + C]  # fmt: skip
+        sampler = contextlib.nullcontext()
+        if hp.rollout_dtype == "bfloat16" and next(self.policy.parameters()).dtype == torch.float32:
+            sampler = torch.autocast(self.device.type, dtype=torch.bfloat16, cache_enabled=False)
+        with sampler:
+            sequences, sampler_logp = sample_completions(
+                self.policy, input_ids, attention_mask, self.tokenizer.pad_token_id, eos,
+                repeats=hp.num_generations, share_prompt=self.share_prompt, own_decode=self.own_decode,
+                do_sample=True, temperature=hp.temperature, top_p=hp.top_p, top_k=0,
+                max_new_tokens=hp.max_new_tokens, min_new_tokens=hp.min_new_tokens, return_logprobs=True,
+            )  # [B*G, P + C], [B*G, C]  # fmt: skip
         completion = sequences[:, input_ids.shape[1] :]  # [B*G, C]
         is_eos = torch.isin(completion, torch.tensor(eos, device=completion.device))  # [B*G, C]
         first_eos = torch.where(is_eos.any(1), is_eos.int().argmax(1), completion.shape[1])  # [B*G]
         positions = torch.arange(completion.shape[1], device=completion.device)  # [C]
         completion_mask = (positions[None, :] <= first_eos[:, None]).float()  # [B*G, C]
-        return sequences, completion_mask
+        return (sequences, completion_mask, sampler_logp) if return_logprobs else (sequences, completion_mask)
 
     def compute_rewards(self, completions: list[str], batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
         """Weighted sum of the reward functions ``[B*G]`` and per-function means."""
@@ -260,7 +241,9 @@ class RefCachedGRPO(RLMethod):
         """Generate and score with the reward functions: phase ``rollout``."""
         hp = self.hparams
         with self.phases("rollout"):
-            sequences, completion_mask = self.generate(batch["input_ids"], batch["attention_mask"])
+            sequences, completion_mask, sampler_logp = self.generate(
+                batch["input_ids"], batch["attention_mask"], return_logprobs=True
+            )
             prompt_length = batch["input_ids"].shape[1]
             completion_ids = sequences[:, prompt_length:]  # [B*G, C]
             self.step_shape = {"prompt_length": prompt_length, "new_tokens": completion_ids.shape[1]}
@@ -290,6 +273,8 @@ class RefCachedGRPO(RLMethod):
             rewards=rewards,
             advantages=torch.zeros_like(rewards),
             completions=completions,
+            sampler_logp=sampler_logp,  # the trainer's own, for the gap and the correction, come with the update
+            trainer_logp=None if sampler_logp is None else torch.zeros_like(sampler_logp),
         )
         if hp.micro_batch_tokens is not None:  # micro-batches by tokens: groups sorted, each pass cut to its longest
             rollout.row_tokens = row_tokens(lengths, prompt_length, completion_ids.shape[1])
@@ -445,6 +430,15 @@ class RefCachedGRPO(RLMethod):
             # one threshold for every process, as TRL takes it (a boolean index: real runs only, never the estimator)
             pooled = self.gather_ragged(stats.entropy.detach()[mask.bool()]) if self.world_size > 1 else None
             token_mask = high_entropy_mask(stats.entropy, mask, settings.top_entropy_quantile, pooled=pooled)  # [b, C]
+        weights = None
+        if rollout.sampler_logp is not None:  # the trainer's log-probs before the update, against the sampler's
+            before = rollout.old_logp[sl, :width] if rollout.old_logp is not None else stats.logp.detach()
+            rollout.trainer_logp[sl, :width] = before
+            if settings.importance_sampling_correction:
+                weights = sampler_weights(
+                    before, rollout.sampler_logp[sl, :width], mask, mode=settings.importance_sampling_mode,
+                    clip_min=settings.importance_sampling_clip_min, clip_max=settings.importance_sampling_clip_max,
+                )  # fmt: skip
         loss, loss_stats = grpo_loss(
             stats.logp,
             rollout.old_logp[sl, :width] if rollout.old_logp is not None else None,
@@ -455,6 +449,7 @@ class RefCachedGRPO(RLMethod):
             max_completion_length=self.hparams.max_new_tokens,
             num_items_in_batch=num_items,
             token_mask=token_mask,
+            sampler_weights=weights,
         )
         share = mask.shape[0] / len(rollout)  # this micro-batch's part of the rollout
         if settings.loss_type not in GLOBAL_TOKEN_LOSS_TYPES:  # those already divide by the whole step's token count
@@ -482,4 +477,11 @@ class RefCachedGRPO(RLMethod):
             step_stats += stats
         for key in step_stats[0] if step_stats else []:
             metrics[key] = sum(s[key] for s in step_stats) / len(step_stats)
+        if rollout.sampler_logp is not None:
+            s = self.loss
+            gap = sampler_mismatch(
+                rollout.trainer_logp, rollout.sampler_logp, rollout.completion_mask, mode=s.importance_sampling_mode,
+                clip_min=s.importance_sampling_clip_min, clip_max=s.importance_sampling_clip_max,
+            )  # fmt: skip
+            metrics.update(zip(gap, torch.stack(list(gap.values())).tolist(), strict=True))  # one device sync
         return metrics, len(rollout)

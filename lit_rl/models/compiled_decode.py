@@ -217,7 +217,7 @@ class StaticSteps:
         return self._fn(self.model, self.cache, tokens.clone(), self.mask, positions.clone())
 
 
-def compiled_decode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, **settings: Any) -> torch.Tensor:
+def compiled_decode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, **settings: Any):
     """:func:`lit_rl.models.decode.decode` with its steps after the prefill compiled (same arguments and result)."""
     return decode(model, input_ids, attention_mask, step=StaticSteps(model), **settings)
 

@@ -231,7 +231,8 @@ def decode(
     min_new_tokens: int = 0,
     cache=None,
     step=None,
-) -> torch.Tensor:
+    return_logprobs: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Complete ``input_ids [B, P]`` (left-padded, ``attention_mask [B, P]``): ``[B, P + C]`` as ``generate`` returns.
 
     ``C`` is the step at which every row has ended (EOS) or ``max_new_tokens``; rows that ended earlier are padded
@@ -241,6 +242,10 @@ def decode(
     ``start(cache, mask [B, P + N])`` takes the prefilled cache (``False``: not taken, the forward goes on), a call
     ``step(tokens [B, 1], positions [B, 1])`` returns ``[B, V]`` logits
     (:class:`lit_rl.models.compiled_decode.StaticSteps`).
+
+    ``return_logprobs``: also return the sampler's log-prob of each new token, ``[B, C]`` float32: its logit under
+    ``temperature`` minus the log-sum-exp of all of them, before ``min_new_tokens``, top-k and top-p (the quantity
+    the trainer recomputes; :mod:`lit_rl.losses.sampler` compares the two). Rows that ended hold the pad token's.
     """
     b, p = input_ids.shape
     total = p + max_new_tokens
@@ -257,6 +262,7 @@ def decode(
     cached = cache.get_seq_length()
     cache_key = cache_keyword(model)  # read once, not at every token
     unfinished = torch.ones(b, dtype=torch.long, device=device)  # [B]
+    logprobs = torch.zeros(b, max_new_tokens, dtype=torch.float32, device=device) if return_logprobs else None
     length = p
     # under mixed precision each weight is cast once for the rollout, not at every token (the same numbers)
     with linear_weights_cast_once(model) if step is None else contextlib.nullcontext():
@@ -278,6 +284,8 @@ def decode(
                     preallocate(cache, total - 1)  # after the prefill; the last token is never fed back
             scores = logits.to(copy=True, dtype=torch.float32)  # [B, V]
             del logits
+            if logprobs is not None:  # the normaliser of the tempered distribution, before any filter
+                lse = torch.logsumexp(scores / temperature if do_sample and temperature != 1.0 else scores, dim=-1)
             if min_new_tokens:
                 scores = min_new_tokens_filter(scores, eos_ids, produced, min_new_tokens)
             if do_sample:
@@ -290,12 +298,16 @@ def decode(
                 tokens = torch.multinomial(scores.softmax(dim=-1), num_samples=1).squeeze(1)  # [B]
             else:
                 tokens = scores.argmax(dim=-1)  # [B]
+            if logprobs is not None:  # filters only ever set tokens other than the sampled one to -inf
+                logprobs[:, produced] = scores.gather(1, tokens[:, None]).squeeze(1) - lse
             tokens = tokens * unfinished + pad_id * (1 - unfinished)
             sequences[:, length] = tokens
             cached, length = length, length + 1
             unfinished = unfinished & ~torch.isin(tokens, eos_ids)
             if _all_ended(unfinished):
                 break
+    if logprobs is not None:
+        return sequences[:, :length], logprobs[:, : length - p]
     return sequences[:, :length]
 
 

@@ -31,8 +31,9 @@ def sample_completions(
     repeats: int = 1,
     share_prompt: bool = False,
     own_decode: bool | str = False,
+    return_logprobs: bool = False,
     **config: Any,
-) -> torch.Tensor:
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
     """Complete each prompt ``repeats`` times in eval mode with a fresh ``GenerationConfig(**config)``:
     ``[B * repeats, P + C]`` sequences.
 
@@ -44,6 +45,10 @@ def sample_completions(
     seconds, with ``"compiled"`` from :func:`lit_rl.models.compiled_decode.compiled_decode` (its step compiled,
     logits close to ``generate``'s); ``generate`` runs where a setting of the merged generation config is not one
     the loop implements, and on fake tensors (where the estimator stands in for ``generate``).
+
+    ``return_logprobs``: ``(sequences, sampler log-probs [B * repeats, C] or None)``: the decode loops record them
+    (:func:`lit_rl.models.decode.decode`); ``generate`` does not (``None``), except on fake tensors, where zeros of
+    that shape stand in so an estimate charges the bytes the loop would hold.
     """
     config = GenerationConfig(pad_token_id=pad_id, eos_token_id=eos, use_cache=True, **config)
     settings = None
@@ -61,10 +66,18 @@ def sample_completions(
         attention_mask = attention_mask.repeat_interleave(repeats, dim=0)
         if settings is not None:
             run = compiled_decode if own_decode == "compiled" else decode
-            return run(policy, input_ids, attention_mask, eos=eos, pad_id=pad_id, cache=cache, **settings)
-        return policy.generate(
+            return run(
+                policy, input_ids, attention_mask, eos=eos, pad_id=pad_id, cache=cache,
+                return_logprobs=return_logprobs, **settings,
+            )  # fmt: skip
+        sequences = policy.generate(
             input_ids=input_ids, attention_mask=attention_mask, generation_config=config, **cache_kwargs(policy, cache)
         )
+        if not return_logprobs:
+            return sequences
+        standing_in = own_decode and not weights_are_real(policy)  # an estimate of a run whose loop records them
+        width = sequences.shape[1] - input_ids.shape[1]
+        return sequences, sequences.new_zeros((sequences.shape[0], width), dtype=torch.float32) if standing_in else None
     finally:
         policy.train(was_training)
 
