@@ -465,3 +465,28 @@ def test_profiler_on_grpo_logs_prediction_and_counts_the_frozen_reference(captur
         predicted = logged[f"memory/{phase}/predicted_gib"][0][1]
         measured = logged[f"memory/{phase}/peak_gib"][0][1]
         assert predicted == pytest.approx(measured, rel=0.1), phase
+
+
+def test_predictions_of_new_shapes_stay_within_their_share_of_the_run(monkeypatch):
+    """A 0.5-1.5B model takes 17-55 s per estimate (bench/results/gpu.log): new step shapes are predicted only while
+    the estimates' seconds stay within the budget's share of the wall time; the first shape always is."""
+    import time
+
+    from lit_rl.memory import step_prediction
+    from lit_rl.memory.step_prediction import StepPredictor, StepShape
+
+    def slow_estimate(trainer, module, **overrides):
+        time.sleep(0.05)
+        return SimpleNamespace(phases={"rollout": overrides["prompt_length"]}, first_step={"rollout": 1})
+
+    monkeypatch.setattr(step_prediction, "estimate_for_trainer", slow_estimate)
+    monkeypatch.setattr(step_prediction, "rollout_shape", lambda module: SimpleNamespace(length_option=None))
+    predictor = StepPredictor(None, None, budget=0.1)
+    shape = lambda p: StepShape(batch_size=1, prompt_length=p, padded=False, new_tokens=None)  # noqa: E731
+    assert predictor.predict(shape(5)) == {"rollout": 5}  # the first shape, whatever it costs
+    assert predictor.predict(shape(6)) == {} and predictor.skipped == 1  # 0.05 s of estimates in about 0.05 s of run
+    assert predictor.predict(shape(5)) == {"rollout": 5}  # a cached shape costs nothing
+    time.sleep(0.5)  # the run goes on: 0.05 s is now within a tenth of it
+    assert predictor.predict(shape(6)) == {"rollout": 6} and predictor.skipped == 1
+    with pytest.raises(MisconfigurationException, match="predict_budget=-1"):
+        MemoryProfiler(predict_budget=-1)
