@@ -11,6 +11,9 @@ nothing is downloaded):
   computes), and each phase's seconds against its roofline floor at the rates measured on the device;
 - **decode**: rollout tokens per second of ``generate``, the own loop and the compiled step (CUDA graphs), with the
   floor set by reading every weight once per token at the device's measured copy bandwidth;
+- **vs TRL**: lit-rl against TRL's ``GRPOTrainer`` on bench/grpo_vs_trl.yaml's work (LoRA, 256 tokens, bf16-mixed) on
+  Qwen2.5-0.5B and 1.5B shapes, each side in its own process: step time and the allocator's peaks (TRL and
+  ``datasets`` travel as wheels too);
 - **tactics** that act only on an accelerator: activation offloading and ``EmptyCache`` on the 1.5B LoRA step
   (peak and step time against the same step without them), and the OOM report: a step given a memory budget below
   its predicted peak (``torch.cuda.set_per_process_memory_fraction``) must fail in a named phase, write a report
@@ -160,11 +163,17 @@ class StepShapes(Callback):
 
     def __init__(self) -> None:
         self.shapes: list[tuple[int, int, bool, int | None]] = []
+        self.gaps: list[
+            dict[str, float]
+        ] = []  # each step's rollout/sampler_* metrics (the sampler against the trainer)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         mask = batch["attention_mask"]
         new_tokens = (getattr(pl_module, "step_shape", None) or {}).get("new_tokens")
         self.shapes.append((int(mask.shape[0]), int(mask.shape[1]), bool((mask == 0).any()), new_tokens))
+        gap = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("rollout/sampler")}
+        if gap:
+            self.gaps.append(gap)
 
 
 def predict(method_name: str, case: Case, sizes: Sizes, arm: str | None, shape: tuple, device_type: str) -> dict:
@@ -238,6 +247,7 @@ def fit(method_name: str, case: Case, sizes: Sizes, root: Path, callbacks: list 
         _clear()
     summary["wall_s"] = time.perf_counter() - start
     summary["shapes"] = shapes.shapes
+    summary["sampler_gap"] = shapes.gaps
     return summary
 
 
@@ -277,7 +287,7 @@ def part_peaks_large(args, cases, sizes, record) -> None:
 def _peaks_entry(name: str, case: Case, sizes: Sizes, args) -> dict:
     summary = fit(name, case, sizes, Path(args.workdir) / "peaks" / f"{name}_{case.model.split(':')[-1]}")
     entry = {"case": asdict(case), "method": name, "phases": phase_rows(summary), "wall_s": summary["wall_s"],
-             "shapes": summary["shapes"], "roofline_rates": summary.get("roofline", {}).get("rates"),
+             "shapes": summary["shapes"], "sampler_gap": summary["sampler_gap"], "roofline_rates": summary.get("roofline", {}).get("rates"),
              "measurement": summary["measurement"]}  # fmt: skip
     args.predictions.submit(entry, name, case, sizes, None, summary["shapes"])
     return entry
@@ -403,7 +413,89 @@ def _oom_entry(case: Case, sizes: Sizes, args) -> dict:
             "alive_after": torch.ones(1, device="cuda").item() == 1.0}  # fmt: skip
 
 
-PARTS = {"peaks": part_peaks, "decode": part_decode, "tactics": part_tactics, "oom": part_oom,
+@dataclass(frozen=True)
+class TrlSetup:
+    """One lit-rl against TRL comparison: bench/grpo_vs_trl.yaml's work (2 prompts x 4 completions, all forced to
+    ``length`` tokens, dapo, beta 0.04, LoRA r 16 on every linear layer, activation checkpointing on both sides)."""
+
+    name: str
+    model: str
+    length: int
+    bf16: bool = True  # bf16 mixed precision on both sides (float32 weights)
+
+
+TRL_SETUPS = (
+    TrlSetup("0.5B LoRA, 256 tokens, bf16-mixed", "shape:qwen2.5-0.5b", 256),
+    TrlSetup("1.5B LoRA, 256 tokens, bf16-mixed", "shape:qwen2.5-1.5b", 256),
+)
+QUICK_TRL_SETUPS = (TrlSetup("tiny LoRA, 4 tokens, fp32", "tiny:qwen2", 4, bf16=False),)
+
+
+def part_vs_trl(args, cases, sizes, record) -> None:
+    for setup in QUICK_TRL_SETUPS if args.quick else TRL_SETUPS:
+        record("vs_trl", setup.name, lambda s=setup: _vs_trl_entry(s, args))
+
+
+def _model_folder(model: str, root: Path) -> Path:
+    """``model`` (random weights) saved as a Hugging Face folder with its tokenizer: what TRL loads."""
+    folder = root / model.replace(":", "_")
+    if not (folder / "config.json").exists():
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        tokenizer = load_tokenizer(model)
+        with device:
+            lm = load_causal_lm(model, vocab_size=len(tokenizer))
+        lm.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        del lm
+        _clear()
+    return folder
+
+
+def _vs_trl_entry(setup: TrlSetup, args) -> dict:
+    """Both sides in fresh processes, one after the other, on the same model folder and the same work."""
+    import importlib.util
+    import subprocess
+
+    if importlib.util.find_spec("trl") is None:
+        return {"skipped": "trl is not installed (pip install 'lit-rl[bench]', or carry its wheel)"}
+    root = Path(args.workdir) / "vs_trl"
+    folder = _model_folder(setup.model, root)
+    steps = 2 if args.quick else 4
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
+    env["PYTHONPATH"] = os.pathsep.join([str(harness.ROOT), str(harness.ROOT / "bench"), env.get("PYTHONPATH", "")])
+    cuda = torch.cuda.is_available()
+    out: dict[str, Any] = {"model": setup.model, "length": setup.length, "steps": steps}
+    for side in ("lit-rl", "trl"):
+        record_file = root / f"{side}_{setup.model.replace(':', '_')}.json"
+        if side == "lit-rl":
+            command = [sys.executable, "-m", "lit_rl", "fit", "--config", "bench/grpo_vs_trl.yaml",
+                       "--config", "callbacks/activation_checkpointing.yaml",
+                       "--model.init_args.name_or_path", str(folder), "--trainer.accelerator", "auto",
+                       "--model.init_args.max_new_tokens", str(setup.length),
+                       "--model.init_args.min_new_tokens", str(setup.length), "--model.init_args.lora.r", "16",
+                       "--trainer.precision", "bf16-mixed" if setup.bf16 else "32-true",
+                       "--trainer.max_steps", str(steps), "--trainer.default_root_dir", str(root / "runs"),
+                       "--trainer.callbacks+", "step_timer.StepTimer", "--trainer.callbacks+.out", str(record_file)]  # fmt: skip
+        else:
+            command = [sys.executable, str(harness.ROOT / "bench" / "trl_child.py"), "--model", str(folder),
+                       "--length", str(setup.length), "--lora", "--steps", str(steps), "--out", str(record_file),
+                       *(["--bf16"] if setup.bf16 else []), *(["--cuda"] if cuda else [])]  # fmt: skip
+        start = time.perf_counter()
+        done = subprocess.run(command, cwd=harness.ROOT, env=env, capture_output=True, text=True)
+        if done.returncode != 0:
+            tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+            out[side] = {"error": f"exit {done.returncode}: {tail[0][:300]}"}
+            continue
+        got = json.loads(record_file.read_text())
+        later = sorted(got["step_s"][1:] or got["step_s"])
+        out[side] = {"step_s": later[len(later) // 2], "wall_s": time.perf_counter() - start,
+                     "max_allocated_gib": got.get("cuda_max_allocated_bytes", 0) / GIB or None,
+                     "max_reserved_gib": got.get("cuda_max_reserved_bytes", 0) / GIB or None,
+                     "peak_rss_gib": got["peak_rss_bytes"] / GIB}  # fmt: skip
+    return out
+
+
+PARTS = {"peaks": part_peaks, "decode": part_decode, "tactics": part_tactics, "oom": part_oom, "vs_trl": part_vs_trl,
          "peaks_large": part_peaks_large}  # fmt: skip
 
 
@@ -481,6 +573,20 @@ def render(results: dict) -> str:
     if errors:
         within = sum(e <= 10 for e in errors)
         lines += ["", f"{within} of {len(errors)} phase peaks predicted within 10% (largest error {max(errors):.1f}%)."]
+    gaps = {key: e["sampler_gap"] for key, e in results["peaks"].items() if e.get("sampler_gap")}
+    if gaps:
+        lines += ["", "## The sampler against the trainer", "",
+                  "Per step (the largest over the run's steps): the decode loop's log-probs of its own tokens against the "
+                  "trainer's (`rollout/sampler_*`, lit_rl/losses/sampler.py); past cap: completions whose ratio is "
+                  "above 3.", "",
+                  "| method / setting | mean abs Δ log p | max abs Δ log p | k3 per token | past cap |",
+                  "| --- | ---: | ---: | ---: | ---: |"]  # fmt: skip
+        for key, steps in gaps.items():
+            top = {k: max(step.get(k, 0.0) for step in steps) for k in steps[0]}
+            lines.append(
+                f"| {key} | {top['rollout/sampler_logp_diff/mean']:.2e} | {top['rollout/sampler_logp_diff/max']:.2e} | "
+                f"{top['rollout/sampler_k3']:.2e} | {top['rollout/sampler_past_cap']:.3f} |"
+            )
     lines += ["", "## Rollout decode: tokens per second", ""]
     decode = results["decode"]
     bandwidth = decode.get("bandwidth", {}).get("copy_bytes_per_s")
@@ -519,6 +625,26 @@ def render(results: dict) -> str:
         predicted = max((r["predicted_gib"] or 0) for r in phases)
         seconds = sum(r["seconds"] or 0 for r in phases)
         lines.append(f"| {key} | {peak:.3f} | {reserved:.3f} | {predicted:.3f} | {seconds:.3f} |")
+    trl = results.get("vs_trl", {})
+    if trl:
+        lines += ["", "## lit-rl against TRL's GRPOTrainer, equal work", "",
+                  "bench/grpo_vs_trl.yaml's work on both sides (2 prompts x 4 completions forced to the length, dapo, "
+                  "beta 0.04, LoRA r 16 on every linear layer, activation checkpointing), each side in its own process "
+                  "on the same random-weight model folder, no vLLM. Step s: the median step after the first; allocated "
+                  "and reserved: the allocator's peaks over the whole run.", "",
+                  "| setup | lit-rl step s | TRL step s | lit-rl / TRL | lit-rl allocated GiB | TRL allocated GiB | "
+                  "lit-rl reserved GiB | TRL reserved GiB |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+        for key, entry in trl.items():
+            ours, theirs = entry.get("lit-rl", {}), entry.get("trl", {})
+            if "step_s" not in ours or "step_s" not in theirs:
+                why = entry.get("skipped") or entry.get("error") or ours.get("error") or theirs.get("error")
+                lines.append(f"| {key} | {why} | | | | | | |")
+                continue
+            lines.append(
+                f"| {key} | {ours['step_s']:.3f} | {theirs['step_s']:.3f} | {ours['step_s'] / theirs['step_s']:.2f}x | "
+                f"{_f(ours['max_allocated_gib'], '.3f')} | {_f(theirs['max_allocated_gib'], '.3f')} | "
+                f"{_f(ours['max_reserved_gib'], '.3f')} | {_f(theirs['max_reserved_gib'], '.3f')} |"
+            )
     lines += ["", "## The OOM report", ""]
     for key, entry in results["oom"].items():
         report = entry.get("report") or {}
@@ -546,7 +672,7 @@ def main(argv: list[str] | None = None) -> dict:
     command = "python bench/device_check.py" + (" " + " ".join(argv if argv is not None else sys.argv[1:])).rstrip()
     results: dict[str, Any] = {"command": command.strip(), "quick": args.quick, "environment": environment(),
                                "parts": args.parts, "seconds": {}, "finished": False, "allocated_stat": "steady",
-                               **{part: {} for part in ("peaks", "decode", "tactics", "oom")}}  # fmt: skip
+                               **{part: {} for part in ("peaks", "decode", "tactics", "oom", "vs_trl")}}  # fmt: skip
 
     def save() -> None:
         out.parent.mkdir(parents=True, exist_ok=True)

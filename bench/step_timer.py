@@ -25,7 +25,8 @@ class StepTimer(Callback):
     """Times each training step (``on_train_batch_start`` to ``on_train_batch_end``) and records the peak RSS.
 
     Args:
-        out: the JSON file to write: ``{"step_s": [...], "peak_rss_bytes": int, "threads": int}``.
+        out: the JSON file to write: ``{"step_s": [...], "peak_rss_bytes": int, "threads": int}``, on CUDA also
+            ``cuda_max_allocated_bytes`` and ``cuda_max_reserved_bytes``.
     """
 
     def __init__(self, out: str) -> None:
@@ -47,4 +48,7 @@ class StepTimer(Callback):
 
         record = {"step_s": self.step_s, "peak_rss_bytes": peak_rss_bytes(), "threads": torch.get_num_threads(),
                   "pid": os.getpid()}  # fmt: skip
+        if torch.cuda.is_available():  # the whole run's allocator peaks (bench/device_check.py reads them)
+            record["cuda_max_allocated_bytes"] = torch.cuda.max_memory_allocated()
+            record["cuda_max_reserved_bytes"] = torch.cuda.max_memory_reserved()
         Path(self.out).write_text(json.dumps(record))

@@ -8,7 +8,8 @@ learning rate as ``bench/grpo_vs_trl.yaml``. One generation per optimizer step (
 ``num_iterations = 1``, no gradient accumulation), no vLLM, CPU, fp32 (``--bf16``: bf16 mixed precision, float32
 weights under CPU autocast, as lit-rl's ``bf16-mixed``), logging every step, no evaluation, no saving.
 
-Writes ``--out``: ``{"step_s": [...], "peak_rss_bytes": int, "threads": int}`` (the same as ``step_timer.StepTimer``).
+Writes ``--out``: ``{"step_s": [...], "peak_rss_bytes": int, "threads": int}`` (the same as ``step_timer.StepTimer``);
+with ``--cuda`` (on a GPU, ``bench/device_check.py``) also the allocator's peaks. ``--model``: another model folder.
 
     PYTHONPATH=.:bench python bench/trl_child.py --length 64 --steps 4 --out /tmp/trl.json [--lora] [--no-checkpointing] [--bf16]
 """
@@ -32,6 +33,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lora", action="store_true", help="LoRA r16, alpha 32, all-linear (else full fine-tuning)")
     p.add_argument("--no-checkpointing", action="store_true", help="gradient_checkpointing=False (TRL's default: on)")
     p.add_argument("--bf16", action="store_true", help="bf16=True: bf16 mixed precision (float32 weights, autocast)")
+    p.add_argument("--model", help="a model folder (default: the embedded SmolLM2-135M-Instruct's converted folder)")
+    p.add_argument("--cuda", action="store_true", help="train on the GPU (use_cpu=False); records its allocator peaks")
     return p.parse_args(argv)
 
 
@@ -62,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from lit_rl.models import embedded_default_path
 
-    folder = str(embedded_default_path())
+    folder = args.model or str(embedded_default_path())
     tokenizer = AutoTokenizer.from_pretrained(folder)
     step_s: list[float] = []
 
@@ -76,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         config = GRPOConfig(
             output_dir=tmp,
-            use_cpu=True,
+            use_cpu=not args.cuda,
             bf16=args.bf16,
             fp16=False,
             model_init_kwargs={"dtype": torch.float32},
@@ -118,6 +121,9 @@ def main(argv: list[str] | None = None) -> None:
         )
         trainer.train()
     record = {"step_s": step_s, "peak_rss_bytes": peak_rss_bytes(), "threads": torch.get_num_threads()}
+    if args.cuda:
+        record["cuda_max_allocated_bytes"] = torch.cuda.max_memory_allocated()
+        record["cuda_max_reserved_bytes"] = torch.cuda.max_memory_reserved()
     Path(args.out).write_text(json.dumps(record))
 
 

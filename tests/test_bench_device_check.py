@@ -41,6 +41,8 @@ def test_peaks_have_every_phase_measured_and_predicted(run):
         expected = {"generate", "reward", "backward", "optimizer"} if key.startswith("gumbel_topk") else {
             "rollout", "reference", "policy_forward", "backward", "optimizer"}  # fmt: skip
         assert phases == expected, key
+        if not key.startswith("gumbel_topk"):  # the sampled methods log the sampler's gap every step
+            assert len(entry["sampler_gap"]) == 2 and "rollout/sampler_k3" in entry["sampler_gap"][0], key
         for row in entry["phases"]:
             assert row["allocated_gib"] > 0 and row["predicted_gib"] > 0, (key, row)
             assert abs(row["error_pct"]) < 10, (key, row)
@@ -58,7 +60,7 @@ def test_decode_tactics_and_oom_report_what_needs_cuda(run):
     assert "GPU" in tactics["grpo / tiny LoRA bf16 / ActivationOffloading"]["error"]  # refused on a CPU, in one line
     assert tactics["optimizer state in host memory"] == {"skipped": "not built in lit-rl yet"}
     assert results["oom"]["oversized step"] == {"skipped": "needs CUDA (set_per_process_memory_fraction)"}
-    assert "## The OOM report" in rendered
+    assert "## The OOM report" in rendered and "## The sampler against the trainer" in rendered
 
 
 def test_worker_predictions_are_the_profilers_own(tmp_path):
@@ -79,3 +81,12 @@ def test_worker_predictions_are_the_profilers_own(tmp_path):
         trainer.fit(module._method("grpo", case, sizes), module._data(sizes))
         assert profiler.last_record["step"] == 1 and len(shapes.shapes) == 2
         assert module.predict("grpo", case, sizes, None, shapes.shapes[-1], "cpu") == profiler.last_record["predicted"]
+
+
+def test_trl_side_by_side_runs_both_sides(run):
+    pytest.importorskip("trl", reason="TRL is not installed: pip install -e '.[dev]' installs it")
+    results, _, rendered = run
+    entry = results["vs_trl"]["tiny LoRA, 4 tokens, fp32"]
+    for side in ("lit-rl", "trl"):
+        assert entry[side]["step_s"] > 0, (side, entry)
+    assert "## lit-rl against TRL's GRPOTrainer, equal work" in rendered
