@@ -196,21 +196,17 @@ def _floor_seconds(module, estimate: Estimate, rates: dict[str, Any], overrides:
     weight_bytes = 2 if s["precision"] in ("bf16-true", "16-true") else 4
     gradients = next((c.bytes for c in estimate.components if c.name == "gradients"), 0)
     trainable = gradients // weight_bytes
-    step = StepSettings(
+    step = StepSettings.of(
+        work,
+        trainable=trainable,
         prompts=s["prompts"],
         generations=s["num_generations"],
         prompt_length=s["prompt_length"],
         new_tokens=s["max_new_tokens"],
         micro_batch=s["micro_batch_size"],
-        share_prompt=work.share_prompt,
-        adapters=trainable if work.adapters else 0,
-        trainable=trainable,
         weight_bytes=weight_bytes,
         cache_bytes=2 if half else 4,
-        reference_passes=int(work.reference_pass) + work.scoring_passes,
-        iterations=work.iterations,
         checkpointed_layers=checkpointed_layers(shape.layers, s["activation_checkpointing"]),
-        clip=work.clip,
     )
     dtype = "bfloat16" if half else "float32"
     values = rates["dtypes"].get(dtype) or next(iter(rates["dtypes"].values()))

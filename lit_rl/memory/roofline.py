@@ -75,7 +75,7 @@ import torch
 from lit_rl.memory.estimate import settings_from
 from lit_rl.memory.machine_rates import load_rates, measure_rates
 from lit_rl.memory.phases import BACKWARD, OPTIMIZER
-from lit_rl.memory.rollout import rollout_shape, step_work
+from lit_rl.memory.rollout import StepWork, rollout_shape, step_work
 from lit_rl.memory.step_prediction import step_shape
 from lit_rl.models import base_model
 from lit_rl.models.shared_prompt import group_runs
@@ -170,6 +170,21 @@ class StepSettings:
     iterations: int = 1  # optimizer steps per rollout batch
     checkpointed_layers: int = 0
     clip: bool = True
+
+    @classmethod
+    def of(cls, work: StepWork, *, trainable: int, **shapes: Any) -> StepSettings:
+        """The settings of a step whose passes ``work`` declares (:func:`~lit_rl.memory.rollout.step_work`), at
+        ``shapes``: the other fields (``prompts``, ``generations``, lengths, ``micro_batch``, byte sizes,
+        ``checkpointed_layers``). The one constructor the profiler's roofline and the planner share."""
+        return cls(
+            share_prompt=work.share_prompt,
+            adapters=trainable if work.adapters else 0,
+            trainable=trainable,
+            reference_passes=int(work.reference_pass) + work.scoring_passes,
+            iterations=work.iterations,
+            clip=work.clip,
+            **shapes,
+        )
 
 
 @dataclass(frozen=True)
@@ -288,21 +303,17 @@ def _run_settings(trainer, module) -> tuple[ModelShape, StepSettings, str]:
     weight = next((p for p in params if not p.requires_grad), params[0])  # the base weights under LoRA
     dtype = _PRECISION_DTYPE.get(precision, str(weight.dtype).removeprefix("torch."))
     rollout, work = rollout_shape(module), step_work(module)  # what the method declares, whatever its options are
-    base = StepSettings(
+    base = StepSettings.of(
+        work,
+        trainable=trainable,
         prompts=1,
         generations=rollout.completions_per_prompt,
         prompt_length=1,
         new_tokens=rollout.max_new_tokens,
         micro_batch=work.micro_batch,
-        share_prompt=work.share_prompt,
-        adapters=trainable if work.adapters else 0,
-        trainable=trainable,
         weight_bytes=weight.element_size(),
         cache_bytes=getattr(torch, dtype).itemsize,
-        reference_passes=int(work.reference_pass) + work.scoring_passes,
-        iterations=work.iterations,
         checkpointed_layers=len(range(0, shape.layers, every)) if every else 0,
-        clip=work.clip,
     )
     return shape, base, dtype
 
