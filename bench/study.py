@@ -22,7 +22,8 @@ The YAML file holds everything that differs between studies:
   arm's; ``{overrides: with_base}``: the base's too),
   ``{window: key, size: N}`` (first and last N values' means), ``{series: key}`` (every value), ``{last: key or
   [keys]}`` (the first key's last value that the run logged), ``{median: key or [keys], skip: N}`` (the median
-  over the steps after the first N of the value, or of the keys' sum per step), ``{record: wall | peak_rss_mib |
+  over the steps after the first N of the value, or of the keys' sum per step), ``{max: key}`` (the largest value
+  logged), ``{record: wall | peak_rss_mib |
   peak_rss_gib | load}`` (the measured child; ``load``: the load average before and after), ``{hook: name}``;
   with ``format`` (a Python format spec), ``vs: first`` (``last``, ``median`` and ``record`` cells: the ratio to
   the first row of the table, as ``1.23x``), ``missing`` (the cell when absent) and ``optional: true`` (the column
@@ -59,7 +60,7 @@ import harness
 import yaml
 
 STUDIES = Path(__file__).resolve().parent / "studies"
-CELL_KINDS = ("arm", "overrides", "window", "series", "last", "median", "record", "hook")
+CELL_KINDS = ("arm", "overrides", "window", "series", "last", "median", "max", "record", "hook")
 
 
 @dataclass
@@ -131,12 +132,15 @@ def _fmt(value: float | None, spec: str, missing: str) -> str:
 
 
 def value(what: dict, arm: Arm) -> float | None:
-    """The number a ``last``, ``median`` or ``record`` cell shows."""
+    """The number a ``last``, ``median``, ``max`` or ``record`` cell shows."""
     kind, key = next(iter(what.items()))
     keys = [key] if isinstance(key, str) else key
     if kind == "last":
         found = [arm.values(k)[-1] for k in keys if arm.values(k)]
         return found[0] if found else None
+    if kind == "max":  # the largest value logged over the run
+        found = [v for k in keys for v in arm.values(k)]
+        return max(found) if found else None
     if kind == "median":  # per step, the keys' sum; steps where one of them is missing are left out
         per_step = [dict(arm.series.get(k, [])) for k in keys]
         steps = sorted(set.intersection(*(set(s) for s in per_step)))
@@ -171,7 +175,7 @@ def cell(column: dict, arm: Arm, hook, first: Arm | None = None) -> str:
     if kind == "record" and key == "load":
         loads = [arm.record.get(k) for k in ("load_before", "load_after")]
         return missing if None in loads else ", ".join(format(x, spec) for x in loads)
-    if kind in ("last", "median", "record"):
+    if kind in ("last", "median", "max", "record"):
         own = value(what, arm)
         if what.get("vs") == "first":
             ref = value(what, first) if first is not None else None
