@@ -182,3 +182,8 @@ def test_a_bf16_rollout_of_float32_weights_is_another_sampler_and_is_predicted(c
     assert (peaks["bfloat16"][0] - peaks["same"][0]) * (peaks["bfloat16"][1] - peaks["same"][1]) > 0
     with pytest.raises(ValueError, match="model.rollout_dtype: 'fp8' is not same or bfloat16"):
         _method(rollout_dtype="fp8")
+
+
+def test_the_correction_under_generate_says_it_corrects_nothing():
+    with pytest.warns(UserWarning, match="importance_sampling_correction: on, but the rollouts come from transformers"):
+        _ready(_method(decode="generate", loss=LossSettings(importance_sampling_correction=True)))

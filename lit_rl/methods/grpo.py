@@ -24,7 +24,7 @@ from dataclasses import asdict, replace
 from typing import Any, ClassVar, Literal
 
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lit_rl.losses import (
     GLOBAL_TOKEN_LOSS_TYPES,
@@ -158,6 +158,11 @@ class RefCachedGRPO(RLMethod):
     def configure_model(self) -> None:
         loaded = self.policy is not None
         super().configure_model()
+        if not loaded and self.loss.importance_sampling_correction and not self.own_decode:
+            rank_zero_warn(
+                "model.loss.importance_sampling_correction: on, but the rollouts come from transformers' generate, "
+                "which records no log-probs, so nothing is corrected; use model.decode: own"
+            )
         if loaded or not self.share_prompt:
             return
         reason = shared_prompt_unsupported(self.policy)
