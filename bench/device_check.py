@@ -183,7 +183,6 @@ def predict(method_name: str, case: Case, sizes: Sizes, arm: str | None, shape: 
     and device type, at the step's own shapes), made here beside the GPU instead of inside the training loop: on a
     0.5-1.5B model it costs 17-55 s of CPU per shape (bench/results/gpu.log), longer than the steps it predicts.
     """
-    torch.set_num_threads(1)
     batch_size, prompt_length, padded, new_tokens = shape
     callbacks = ARMS[arm]() if arm else []
     settings = settings_from(_data(sizes), precision=case.precision, callbacks=callbacks, device_type=device_type)
@@ -193,12 +192,17 @@ def predict(method_name: str, case: Case, sizes: Sizes, arm: str | None, shape: 
     return dict(estimate_step(_method(method_name, case, sizes), **settings).phases)
 
 
+def _one_thread() -> None:
+    """A worker's torch runs on one thread: the workers share the machine's cores with each other and the GPU run."""
+    torch.set_num_threads(1)
+
+
 class Predictions:
     """Predictions in a pool of worker processes, while the GPU goes on measuring; joined into the rows at the end."""
 
     def __init__(self, workers: int) -> None:
         context = multiprocessing.get_context("spawn")  # no fork of a process that holds CUDA
-        self.pool = ProcessPoolExecutor(max_workers=workers, mp_context=context)
+        self.pool = ProcessPoolExecutor(max_workers=workers, mp_context=context, initializer=_one_thread)
         self.pending: list[tuple[dict, list]] = []
 
     def submit(self, entry: dict, method_name: str, case: Case, sizes: Sizes, arm: str | None, shapes) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
@@ -279,3 +280,24 @@ def test_a_dtype_cast_after_loading_moves_the_compute_dtype():
     with torch.device("meta"):
         stand_in = NF4StandIn(torch.nn.Linear(64, 32)).to(torch.bfloat16)
     assert stand_in.compute_dtype == torch.bfloat16 and stand_in.weight.dtype == torch.uint8
+
+
+def test_a_layer_run_first_under_a_bf16_default_leaves_later_layers_exact():
+    """bitsandbytes caches its 4-bit code table, for the process, in the default dtype of its first use; Lightning
+    makes bf16 the default while a bf16-true run builds its model, when lit-rl's load-time checks run an NF4 layer.
+    In a fresh process: an odd-shaped layer run under a bf16 default first, then the float64 reference test."""
+    import subprocess
+    import sys
+
+    script = (
+        "import torch, test_quantize\n"
+        "from lit_rl.models.quantize import nf4_linear\n"
+        "torch.set_default_dtype(torch.bfloat16)\n"
+        "layer = nf4_linear(torch.nn.Linear(73, 41, dtype=torch.float32), block_size=64, double_quant=True)\n"
+        "layer(torch.randn(2, 73, dtype=torch.float32))\n"
+        "torch.set_default_dtype(torch.float32)\n"
+        "test_quantize.test_nf4_linear_matches_float64_reference(73, 41, True)\n"
+    )
+    tests = str(Path(__file__).resolve().parent)
+    done = subprocess.run([sys.executable, "-c", script], cwd=tests, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -42,9 +42,11 @@ and backward what bitsandbytes' kernels allocate (the dense weight of one layer,
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import logging
+from collections.abc import Iterator
 
 import torch
 from lightning.pytorch.utilities import rank_zero_info
@@ -123,6 +125,24 @@ def _bitsandbytes():
     return bitsandbytes
 
 
+@contextlib.contextmanager
+def float32_default() -> Iterator[None]:
+    """float32 as torch's default dtype inside the block (restored after it).
+
+    bitsandbytes builds its 4-bit code table in the default dtype the first time it decodes a layer its fast kernel
+    does not take (an odd last dimension, a large block) and caches it for the process. Lightning makes bf16 the
+    default dtype while a ``bf16-true`` run builds its model, which is when lit-rl's load-time checks first run an NF4
+    layer: every later such layer in the process then encoded and decoded with bf16-rounded levels (seen as a test of a
+    float32 layer failing after an NF4 run in the same process). NF4 layers are built and run under this.
+    """
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
 @functools.cache
 def nf4_linear_class() -> type[torch.nn.Linear]:
     """The layer class holding a frozen NF4 weight: bitsandbytes' ``Linear4bit`` with two lit-rl choices.
@@ -147,6 +167,10 @@ def nf4_linear_class() -> type[torch.nn.Linear]:
         def __init__(self, *args, **kwargs) -> None:
             super().__init__(*args, **kwargs)
             self.support_avx512bf16_for_cpu = False
+
+        def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+            with float32_default():
+                return super().forward(x, *args, **kwargs)
 
         def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
             torch.nn.Module._save_to_state_dict(self, destination, prefix, keep_vars)
@@ -210,7 +234,8 @@ def nf4_linear(linear: torch.nn.Linear, *, block_size: int = 64, double_quant: b
     )
     if linear.bias is not None:
         layer.bias = torch.nn.Parameter(linear.bias.detach(), requires_grad=False)  # [out]
-    return layer.to(weight.device)  # quantizes: codes [ceil(out * in / 2), 1] uint8, scales per block
+    with float32_default():
+        return layer.to(weight.device)  # quantizes: codes [ceil(out * in / 2), 1] uint8, scales per block
 
 
 def _set_submodule(root: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
@@ -413,7 +438,8 @@ def nf4_memory(model: torch.nn.Module) -> tuple[int, int, tuple[int, int, torch.
 def dequantize_weight(layer: torch.nn.Module) -> torch.Tensor:
     """The weight ``[out, in]`` an NF4 layer's forward uses, decoded, in the layer's compute dtype."""
     bnb = _bitsandbytes()
-    weight = bnb.functional.dequantize_4bit(layer.weight.data, layer.weight.quant_state)  # [out, in]
+    with float32_default():
+        weight = bnb.functional.dequantize_4bit(layer.weight.data, layer.weight.quant_state)  # [out, in]
     return weight.to(layer.compute_dtype or weight.dtype)
 
 
