@@ -24,15 +24,26 @@ from torch import Tensor
 SAMPLER_CORRECTION_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
-def _log_ratio(trainer_logp: Tensor, sampler_logp: Tensor, mask: Tensor, mode: str) -> Tensor:
-    """``trainer - sampler`` on completion tokens (0 elsewhere, and where the sampler gave no log-prob: NaN), per
-    token ``[B, T]`` or summed per sequence ``[B, 1]``."""
+def _token_gap(trainer_logp: Tensor, sampler_logp: Tensor, mask: Tensor, mode: str) -> Tensor:
+    """``trainer - sampler`` per token ``[B, T]``: 0 off the completion and where the sampler gave no log-prob (NaN),
+    in float32 at least (float64 stays float64)."""
     if mode not in SAMPLER_CORRECTION_MODES:
         raise ValueError(f"importance sampling mode {mode!r} is not one of {SAMPLER_CORRECTION_MODES}")
-    dtype = torch.promote_types(trainer_logp.dtype, torch.float32)  # float32 at least; float64 stays float64
+    dtype = torch.promote_types(trainer_logp.dtype, torch.float32)
     diff = (trainer_logp.to(dtype) - sampler_logp.to(dtype)) * mask.to(dtype)  # [B, T]
-    diff = torch.nan_to_num(diff, nan=0.0)
-    return diff.sum(-1, keepdim=True) if mode.startswith("sequence") else diff
+    return torch.nan_to_num(diff, nan=0.0)
+
+
+def _ratio(gap: Tensor, mode: str) -> Tensor:
+    """``exp`` of the gap per token ``[B, T]``, or of its sum per completion ``[B, 1]`` (sequence modes)."""
+    return torch.exp(gap.sum(-1, keepdim=True) if mode.startswith("sequence") else gap)
+
+
+def _outside(ratio: Tensor, clip_min: float | None, clip_max: float | None) -> Tensor:
+    """Where ``ratio`` lies outside ``[clip_min, clip_max]`` (a bound left ``None`` is open)."""
+    low = -math.inf if clip_min is None else clip_min
+    high = math.inf if clip_max is None else clip_max
+    return (ratio < low) | (ratio > high)
 
 
 @torch.no_grad()
@@ -63,12 +74,10 @@ def sampler_weights(
     Returns:
         ``[B, T]`` or ``[B, 1]`` weights, in float32 (float64 for float64 inputs).
     """
-    ratio = torch.exp(_log_ratio(trainer_logp, sampler_logp, mask, mode))
-    low = -math.inf if clip_min is None else clip_min
-    high = math.inf if clip_max is None else clip_max
+    ratio = _ratio(_token_gap(trainer_logp, sampler_logp, mask, mode), mode)
     if mode.endswith("truncate"):
         return ratio.clamp(min=clip_min, max=clip_max) if (clip_min, clip_max) != (None, None) else ratio
-    return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
+    return ratio.masked_fill(_outside(ratio, clip_min, clip_max), 0.0)
 
 
 @torch.no_grad()
@@ -90,15 +99,10 @@ def sampler_mismatch(
       lies outside ``[clip_min, clip_max]``: what a mask would drop or a truncation would clamp.
     """
     valid = mask.bool()  # [B, T]
-    dtype = torch.promote_types(trainer_logp.dtype, torch.float32)
-    d = torch.where(valid, trainer_logp.to(dtype) - sampler_logp.to(dtype), 0.0)  # [B, T]
-    d = torch.where(torch.isnan(d), 0.0, d)
+    d = _token_gap(trainer_logp, sampler_logp, mask, mode)  # [B, T], computed once for every figure below
     count = valid.sum().clamp(min=1)
-    ratio = torch.exp(_log_ratio(trainer_logp, sampler_logp, mask, mode))  # [B, T] or [B, 1]
-    low = -math.inf if clip_min is None else clip_min
-    high = math.inf if clip_max is None else clip_max
-    past = (ratio < low) | (ratio > high)
-    past_share = past.to(dtype).mean() if mode.startswith("sequence") else (past & valid).to(dtype).sum() / count
+    past = _outside(_ratio(d, mode), clip_min, clip_max)  # [B, T] or [B, 1]
+    past_share = past.to(d.dtype).mean() if mode.startswith("sequence") else (past & valid).to(d.dtype).sum() / count
     return {
         "rollout/sampler_logp_diff/mean": d.abs().sum() / count,
         "rollout/sampler_logp_diff/max": d.abs().max(),

@@ -11,8 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 # Model shapes built in code, so a config can be estimated without the network: ``shape:<name>``.
-# Values are those of the published config.json files (Qwen2.5-Coder-3B has the 3B's shape; Qwen3-4B as in
-# seed 003's three-model Gumbel run).
+# Values are those of the published config.json files (Qwen2.5-Coder-3B has the 3B's shape).
 BUILTIN_SHAPES: dict[str, dict[str, Any]] = {
     "qwen2.5-0.5b": dict(
         model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
@@ -45,7 +44,8 @@ SHAPE_PREFIX = "shape:"
 
 
 def shape_config(source: str):
-    """The transformers config of ``shape:<name>`` (or ``<name>``), its special tokens those of the tiny tokenizer.
+    """The transformers config of ``shape:<name>`` (or ``<name>``), as published (:func:`with_tiny_special_tokens`
+    gives it the tiny tokenizer's special ids, for random weights).
 
     Raises:
         ValueError: an unknown name, listing the known ones.
