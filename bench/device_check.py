@@ -123,6 +123,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--workers", type=int, help="processes for the predictions (default: cores - 2, at most 8)")
     parser.add_argument("--render", metavar="JSON", help="rewrite --out's table from a run's JSON; measures nothing")
+    parser.add_argument("--predict-missing", action="store_true",
+                        help="with --render: make the predictions a run stopped before (on this machine's CPU, at the "
+                        "recorded shapes and the run's device type; bytes depend on the shapes, not the machine)")  # fmt: skip
     parser.add_argument("--out", default=str(harness.ROOT / "bench" / "results" / "gpu.md"), help="the table (.md)")
     parser.add_argument("--workdir", default="/tmp/lit_rl_device_check", help="run folders (logs, reports)")
     return parser.parse_args(argv)
@@ -205,8 +208,9 @@ class Predictions:
         self.pool = ProcessPoolExecutor(max_workers=workers, mp_context=context, initializer=_one_thread)
         self.pending: list[tuple[dict, list]] = []
 
-    def submit(self, entry: dict, method_name: str, case: Case, sizes: Sizes, arm: str | None, shapes) -> None:
-        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    def submit(self, entry: dict, method_name: str, case: Case, sizes: Sizes, arm: str | None, shapes,
+               device_type: str | None = None) -> None:  # fmt: skip
+        device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
         futures = [self.pool.submit(predict, method_name, case, sizes, arm, shape, device_type)
                    for shape in sorted(set(shapes), key=str)]  # fmt: skip
         self.pending.append((entry, futures))
@@ -229,6 +233,28 @@ class Predictions:
                     row["error_pct"] = 100 * (row["predicted_gib"] - measured) / measured if measured else None
             save()
         self.pool.shutdown()
+
+
+def predict_missing(results: dict, cases: tuple, sizes: Sizes, workers: int) -> None:
+    """Fill the predictions of the peaks and tactics entries a run measured but stopped before predicting (its time
+    limit fell in the wait for the workers). The estimator runs on fake tensors, so it needs no GPU: the same call at
+    the recorded shapes and the run's device type, here; the run's JSON says so (``predicted_later``)."""
+    predictions, device_type = Predictions(workers), "cuda" if results["environment"]["memory_gib"] else "cpu"
+    by_name = {case.name: case for case in cases}
+    filled = []
+    for part in ("peaks", "tactics"):
+        for key, entry in results[part].items():
+            if "phases" not in entry or all(r["predicted_gib"] is not None for r in entry["phases"]):
+                continue
+            if part == "peaks":
+                method, case, arm = entry["method"], Case(**entry["case"]), None
+            else:
+                method, case, arm = "grpo", by_name[key.split(" / ")[1]], entry["arm"]
+            predictions.submit(entry, method, case, sizes, arm, [tuple(s) for s in entry["shapes"]], device_type)
+            filled.append(key)
+    predictions.join(lambda: None)
+    if filled:
+        results["predicted_later"] = {"entries": filled, "torch": torch.__version__, "commit": harness.git_commit()}
 
 
 def fit(method_name: str, case: Case, sizes: Sizes, root: Path, callbacks: list | None = None, **extra: Any) -> dict:
@@ -536,6 +562,12 @@ def render(results: dict) -> str:
             "those without rows below were not reached. Seconds per measurement: "
             + ", ".join(f"{k} {v:.0f} s" for k, v in results.get("seconds", {}).items()) + ".",
         ]),
+        *([] if not results.get("predicted_later") else [
+            "",
+            "Predicted later (`--render JSON --predict-missing`: the estimator at this JSON's recorded shapes, on a CPU, "
+            f"at commit {results['predicted_later']['commit']}, torch {results['predicted_later']['torch']}): "
+            + ", ".join(results["predicted_later"]["entries"]) + ".",
+        ]),
         "",
         "## Per-phase peaks: the CUDA allocator against the estimator",
         "",
@@ -626,9 +658,11 @@ def render(results: dict) -> str:
         phases = entry["phases"]
         peak = max((r["allocated_gib"] or 0) for r in phases)
         reserved = max((r["reserved_gib"] or 0) for r in phases)
-        predicted = max((r["predicted_gib"] or 0) for r in phases)
+        known = [r["predicted_gib"] for r in phases if r["predicted_gib"] is not None]
         seconds = sum(r["seconds"] or 0 for r in phases)
-        lines.append(f"| {key} | {peak:.3f} | {reserved:.3f} | {predicted:.3f} | {seconds:.3f} |")
+        lines.append(
+            f"| {key} | {peak:.3f} | {reserved:.3f} | {_f(max(known) if known else None, '.3f')} | {seconds:.3f} |"
+        )
     trl = results.get("vs_trl", {})
     if trl:
         lines += ["", "## lit-rl against TRL's GRPOTrainer, equal work", "",
@@ -666,6 +700,9 @@ def main(argv: list[str] | None = None) -> dict:
     sizes = replace(sizes, **{k: v for k, v in chosen.items() if v})
     if args.render:
         results = json.loads(Path(args.render).read_text())
+        if args.predict_missing:
+            predict_missing(results, cases, sizes, args.workers or max(1, min(8, (os.cpu_count() or 2) - 2)))
+            Path(args.render).write_text(json.dumps(results, indent=1, default=str))
         Path(args.out).write_text(render(results))
         return results
     if not args.quick and not torch.cuda.is_available():

@@ -90,3 +90,28 @@ def test_trl_side_by_side_runs_both_sides(run):
     for side in ("lit-rl", "trl"):
         assert entry[side]["step_s"] > 0, (side, entry)
     assert "## lit-rl against TRL's GRPOTrainer, equal work" in rendered
+
+
+def test_predictions_a_stopped_run_missed_are_made_from_its_json(run, tmp_path):
+    """A run whose time limit fell in the wait for its workers keeps its measurements; ``--render --predict-missing``
+    makes the same predictions later, from the recorded shapes, and says so in the table."""
+    _, out, _ = run
+    results = json.loads(out.with_suffix(".json").read_text())
+    chosen = [("peaks", "intuitor / tiny LoRA bf16"), ("tactics", "grpo / tiny LoRA bf16 / EmptyCache")]
+    expected = {}
+    for part, key in chosen:
+        for row in results[part][key]["phases"]:
+            expected[part, key, row["phase"]] = row["predicted_gib"]
+            row["predicted_gib"] = row["error_pct"] = None
+    results["finished"] = False
+    stopped = tmp_path / "stopped.json"
+    stopped.write_text(json.dumps(results))
+    with load_bench("device_check.py") as module:
+        module.main(["--quick", "--render", str(stopped), "--predict-missing", "--workers", "1",
+                     "--out", str(tmp_path / "gpu.md")])  # fmt: skip
+    filled = json.loads(stopped.read_text())
+    assert filled["predicted_later"]["entries"] == [key for _, key in chosen]
+    for (part, key, phase), value in expected.items():
+        row = next(r for r in filled[part][key]["phases"] if r["phase"] == phase)
+        assert value > 0 and row["predicted_gib"] == pytest.approx(value, rel=1e-12), (part, key, phase)
+    assert "Predicted later" in (tmp_path / "gpu.md").read_text()

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from lit_rl.cli import main
 from lit_rl.memory.estimate import estimate_step
@@ -67,6 +68,29 @@ def test_weights_are_never_offloaded():
     transposed = weight.t()  # a view of the weight, as a linear layer saves it
     assert hooks._pack(weight) is weight and hooks._pack(transposed) is transposed
     assert hooks.offloaded_bytes == 0
+
+
+def test_weights_are_never_offloaded_by_the_estimators_hooks():
+    """The meta mode returns a fresh tensor at the backward; for a saved weight that would count a copy of it (on
+    a GPU, bench/results/gpu_part3.md: a tied LM head's 0.43 GiB on a 1.5B LoRA step's predicted backward)."""
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        policy = torch.nn.Linear(8, 16)
+        hooks = OffloadSavedTensors(policy, "meta", min_bytes=0)
+        transposed = policy.weight.t()
+        assert hooks._pack(policy.weight) is policy.weight and hooks._pack(transposed) is transposed
+        activation = mode.from_tensor(torch.randn(4, 8))
+        assert hooks._pack(activation) is not activation  # an activation does leave
+    assert hooks.offloaded_bytes == 4 * 8 * 4
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_offloading_lowers_no_phase_of_the_estimate_above_none(lora):
+    method = RefCachedGRPO(name_or_path="tiny:llama", num_generations=G, max_new_tokens=C,
+                           lora={"r": 4} if lora else None)  # fmt: skip
+    kept = estimate_step(method, batch_size=2, prompt_length=P)
+    offloaded = estimate_step(method, batch_size=2, prompt_length=P, offload_activations=0)
+    assert all(offloaded.phases[k] <= kept.phases[k] for k in kept.phases), (kept.phases, offloaded.phases)
+    assert offloaded.phases["backward"] < kept.phases["backward"]
 
 
 @pytest.mark.parametrize("cls", [RefCachedGRPO, GumbelTopK])

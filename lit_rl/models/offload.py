@@ -43,8 +43,9 @@ class OffloadSavedTensors(torch.autograd.graph.saved_tensors_hooks):
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight: must be >= 1, got {max_in_flight}")
         self.mode, self.max_in_flight, self.min_bytes = mode, max_in_flight, min_bytes
-        # (fake tensors have no storage to compare; dropping a weight's reference frees nothing, so none is needed)
-        self.weights = set() if mode == "meta" else {p.untyped_storage().data_ptr() for p in model.parameters()}
+        # A weight's storage, by its StorageImpl (fake tensors have no data pointer): a saved weight stays (the forward
+        # keeps it anyway), else the estimator's backward would allocate it afresh, which the real hooks never do.
+        self.weights = {p.untyped_storage()._cdata for p in model.parameters()}
         self.stream = torch.cuda.Stream() if mode == "pinned" else None
         self.in_flight: deque = deque()
         self.offloaded_bytes = 0  # since construction: what the hooks moved off the device
@@ -55,7 +56,7 @@ class OffloadSavedTensors(torch.autograd.graph.saved_tensors_hooks):
             return True
         if self.mode == "pinned" and t.device.type != "cuda":
             return True
-        return self.mode != "meta" and t.untyped_storage().data_ptr() in self.weights
+        return t.untyped_storage()._cdata in self.weights
 
     def _pack(self, t: torch.Tensor) -> Any:
         if self._keeps(t):
