@@ -330,3 +330,27 @@ def test_the_command_trains_and_refuses_a_foreign_folder_in_one_line(tmp_path, c
         main(["reward-model", "--seeds", "1"])
     assert exit_.value.code == 2
     assert "lit-rl reward-model: unrecognized arguments: --seeds 1" in capsys.readouterr().err
+
+
+def test_a_reward_model_as_a_reward_function_scores_each_completion_after_its_prompt(reward_folder):
+    """RewardModelScore's batched, padded scores are the model's own score of each prompt + completion alone."""
+    from lit_rl.data.rewards import score
+    from lit_rl.reward_model import RewardModelScore
+
+    folder, tok = reward_folder
+    fn = RewardModelScore(str(folder), batch_size=2, device="cpu")
+    prompts = ["a good", "it was", "x"]
+    completions = ["film indeed", "", "bad and long enough"]  # an empty one is scored as EOS alone
+    got = score(fn, "rm", completions, [None] * 3, prompts)  # the checks every reward function goes through
+    model = load_reward_model(str(folder))
+    expected = []
+    with torch.no_grad():
+        for p, c in zip(prompts, completions):
+            ids = tok(p, add_special_tokens=False)["input_ids"]
+            ids += tok(c, add_special_tokens=False)["input_ids"] or [tok.eos_token_id]
+            expected.append(model(input_ids=torch.tensor([ids])).logits[0, 0].item())
+    assert got.shape == (3,) and len(set(got.tolist())) == 3
+    torch.testing.assert_close(got, torch.tensor(expected, dtype=got.dtype), rtol=1e-5, atol=1e-5)
+    assert fn(completions[:1]) == pytest.approx(fn(completions[:1], prompts=[""]))  # no prompts: an empty one each
+    with pytest.raises(ValueError, match="batch_size"):
+        RewardModelScore(str(folder), batch_size=0)

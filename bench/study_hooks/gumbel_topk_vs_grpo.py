@@ -2,8 +2,9 @@
 equal wall time; each arm's peak memory per phase from its profiled twin; completions before and after; the plot.
 
 Each run writes its held-out completions to ``heldout/val_step*.jsonl`` (with the lexicon judges' scores and text
-statistics per completion); the study's ``scorer`` (the shipped reward model, through its public
-``forward_soft_sparse`` with one-hot soft tokens) scores the same completions for every arm alike after the runs.
+statistics per completion); the study's ``scorer`` (the shipped reward model, as
+:class:`lit_rl.reward_model.RewardModelScore` reads it) scores the same completions for every arm alike after
+the runs.
 Training seconds are the sum of the logged phase times (``harness.training_seconds``), evaluation left out; at equal
 wall time each arm is read at its last evaluation within the training seconds the fastest arm took in all.
 """
@@ -13,10 +14,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
 import yaml
 from harness import mean, read_scalar_events, training_seconds
 from heldout_examples import examples
+
+from lit_rl.reward_model import RewardModelScore
 
 # per held-out completion in a run's heldout/*.jsonl: the judges, then text statistics
 HELD_OUT = ("vader_positive", "afinn_positive", "vader_compound", "completions/distinct_bigrams",
@@ -50,47 +52,13 @@ cells = {"step_seconds": step_seconds, "memory": memory}
 
 
 # ------------------------------------------------------------------------------------------------ held-out scores
-def _padded(tokenizer, seqs: list[list[int]], side: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[n, L]`` ids and mask of ``seqs`` padded to one length on ``side`` (prompts left, completions right)."""
-    tokenizer.padding_side = side
-    batch = tokenizer.pad({"input_ids": seqs}, return_tensors="pt")
-    return batch["input_ids"], batch["attention_mask"]
-
-
-class Scorer:
-    """The study's reward model and tokenizer, loaded once; :meth:`score` gives each completion's score."""
-
-    def __init__(self, reward_model: str, head: str | None) -> None:
-        from lit_rl.models import load_reward_model, load_tokenizer
-        from lit_rl.reward_model import shipped_head_file
-
-        self.tokenizer = load_tokenizer(reward_model)
-        head_file = shipped_head_file() if head == "shipped" else head
-        self.model = load_reward_model(
-            reward_model, policy_tokenizer=self.tokenizer, vocab_size=len(self.tokenizer), head_file=head_file
-        )
-
-    def score(self, rows: list[dict]) -> torch.Tensor:
-        tok = self.tokenizer
-        pairs = [(tok(r["prompt"], add_special_tokens=False)["input_ids"],
-                  tok(r["completion"], add_special_tokens=False)["input_ids"] or [tok.eos_token_id]) for r in rows]  # fmt: skip
-        scores = []
-        for start in range(0, len(pairs), BATCH):
-            ids, prompt_mask = _padded(tok, [p for p, _ in pairs[start : start + BATCH]], "left")  # [b, P]
-            comp, comp_mask = _padded(tok, [c for _, c in pairs[start : start + BATCH]], "right")  # [b, C]
-            mask = torch.cat([prompt_mask, comp_mask], dim=1)  # [b, P + C]
-            with torch.no_grad():
-                scores.append(self.model.forward_soft_sparse(ids, comp[..., None], torch.ones(*comp.shape, 1), mask))
-        return torch.cat(scores)  # [N]
-
-
-def held_out(arm, scorer: Scorer) -> dict[int, dict[str, float]]:
+def held_out(arm, scorer: RewardModelScore) -> dict[int, dict[str, float]]:
     """``{steps trained: {score: mean}}`` over each evaluation's completions: the judges and text statistics the run
     wrote, plus ``rm`` (the reward model's mean score) and ``rm_positive`` (the share above 0)."""
     out = {}
     for path in sorted((arm.run_dir / "heldout").glob("val_step*.jsonl")):
         rows = [json.loads(line) for line in path.read_text().splitlines()]
-        scores = scorer.score(rows)  # [N]
+        scores = scorer.scores([r["completion"] for r in rows], [r["prompt"] for r in rows])  # [N]
         means = {k: mean([row[k] for row in rows]) for k in HELD_OUT}
         means.update(rm=scores.mean().item(), rm_positive=(scores > 0).float().mean().item())
         out[int(path.stem.removeprefix("val_step"))] = means
@@ -165,7 +133,7 @@ def after(study: dict, arms: list, results: Path) -> list[str]:
     """The held-out tables, each arm's completions before and after, and ``gumbel_topk_vs_grpo.png``."""
     runtime = study["runtime"]
     scorer_spec = (study.get("quick", {}) if runtime.quick else study)["scorer"]
-    scorer = Scorer(scorer_spec["reward_model"], scorer_spec.get("head"))
+    scorer = RewardModelScore(scorer_spec["reward_model"], head=scorer_spec.get("head"), batch_size=BATCH, device="cpu")
     shown = [a for a in arms if a.spec.get("tabulate", True)]
     scores = {a.name: held_out(a, scorer) for a in shown}
     seconds = {a.name: training_seconds(a.run_dir) for a in shown}

@@ -1,12 +1,15 @@
 """The built-in reward model: a small head on the frozen embedded trunk, its fit and the command that refits it.
 
-This module only says where the shipped head is (a method that loads the built-in reward model needs nothing more);
-the fit and the command live in :mod:`lit_rl.reward_model.train`, which imports the data module.
+This module says where the shipped head is (a method that loads the built-in reward model needs nothing more) and
+gives a reward model as a reward function (:mod:`lit_rl.reward_model.score`); the fit and the command live in
+:mod:`lit_rl.reward_model.train`, which imports the data module.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+
+from lit_rl.reward_model.score import RewardModelScore, shipped_sentiment
 
 META_FILE = "reward_model.json"
 HEAD_FILE = "head.safetensors"
@@ -19,4 +22,4 @@ def shipped_head_file() -> str:
     return str(SHIPPED_HEAD_DIR / HEAD_FILE)
 
 
-__all__ = ["HEAD_FILE", "META_FILE", "SHIPPED_HEAD_DIR", "shipped_head_file"]
+__all__ = ["HEAD_FILE", "META_FILE", "SHIPPED_HEAD_DIR", "RewardModelScore", "shipped_head_file", "shipped_sentiment"]
