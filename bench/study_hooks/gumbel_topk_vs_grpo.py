@@ -48,7 +48,20 @@ def memory(arm) -> str:
     return ", ".join(f"{k.split('/')[1]} {max(e.value for e in v):.2f}" for k, v in events.items()) or "not measured"
 
 
-cells = {"step_seconds": step_seconds, "memory": memory}
+def gradient_noise(arm) -> str:
+    """The gradient twin's figures (lit_rl/callbacks/gradient_noise.py): relative variance and agreement of the
+    step's gradient drawn again for the same prompts, before the first step."""
+    twin = arm.others.get(arm.spec.get("gradients"))
+    if twin is None:
+        return "not measured"
+    keys = ["grad/relative_variance", "grad/agreement"]
+    events = read_scalar_events(str(twin.run_dir), keys, optional=True)
+    if len(events) < 2:
+        return "not measured"
+    return f"{events[keys[0]][0].value:.2f}, {events[keys[1]][0].value:.3f}"
+
+
+cells = {"step_seconds": step_seconds, "memory": memory, "gradient_noise": gradient_noise}
 
 
 # ------------------------------------------------------------------------------------------------ held-out scores
