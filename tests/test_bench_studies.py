@@ -95,10 +95,17 @@ def _qlora(column: dict[str, tuple[str, ...]], arms: list[str], text: str) -> No
 
 
 def _gumbel_topk_vs_grpo(column: dict[str, tuple[str, ...]], arms: list[str], text: str) -> None:
-    """Each method's own phases from its profiled twin; held-out rows for every arm at every evaluation."""
-    assert arms == ["GumbelTopK", "GRPO"]
+    """Each method's own phases from its profiled twin, the gradient noise from its gradient twin; held-out rows for
+    every arm at every evaluation."""
+    assert arms == ["GumbelTopK", "GRPO-RM", "GRPO"]
     peaks = column["peak GiB per phase (profiled run)"]
-    assert peaks[0].startswith("generate ") and peaks[1].startswith("rollout "), peaks
+    assert peaks[0].startswith("generate ") and all(p.startswith("rollout ") for p in peaks[1:]), peaks
+    noise = column["gradient noise: relative variance, agreement (16 draws, step 0)"]
+    assert noise[0] != "zero gradient (every draw)", noise  # GumbelTopK's reward model always gives a gradient
+    for cell in noise:  # tiny GRPO arms may score every completion alike: no gradient to draw
+        if cell != "zero gradient (every draw)":
+            variance, agreement = (float(x) for x in cell.split(", "))
+            assert variance > 0 and -1 <= agreement <= 1, cell
     _, by_step = _first_table(text.split("## Held-out scores by step", 1)[1])
     assert [(r[0], r[1]) for r in by_step] == [(m, s) for m in arms for s in ("0", "1", "2")]
     assert [r[0] for r in _first_table(text.split("## At equal wall time", 1)[1])[1]] == arms

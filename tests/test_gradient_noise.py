@@ -91,3 +91,18 @@ def test_bad_settings_are_refused_in_one_line():
         GradientNoise(samples=1)
     with pytest.raises(ValueError, match="every_n_steps: must be >= 0"):
         GradientNoise(every_n_steps=-1)
+
+
+def test_a_batch_without_gradient_reports_no_ratios():
+    """All rewards equal and no KL yet: every draw is zero, and the ratios say so rather than divide by zero."""
+    method = RefCachedGRPO(name_or_path="tiny:llama", reward_funcs=["test_gradient_noise.constant"],
+                           num_generations=2, max_new_tokens=3, learning_rate=1e-2)  # fmt: skip
+    method.setup("fit")
+    method.configure_model()
+    method.attach_optimizer(method.configure_optimizers())
+    got = measure(method, _batch(method), samples=2, seed=0)
+    assert got["grad/mean_norm"] == 0 and all(v != v for k, v in got.items() if k != "grad/mean_norm")
+
+
+def constant(completions, **_):
+    return [1.0] * len(completions)

@@ -54,10 +54,12 @@ def gradient_noise(arm) -> str:
     twin = arm.others.get(arm.spec.get("gradients"))
     if twin is None:
         return "not measured"
-    keys = ["grad/relative_variance", "grad/agreement"]
+    keys = ["grad/relative_variance", "grad/agreement", "grad/mean_norm"]
     events = read_scalar_events(str(twin.run_dir), keys, optional=True)
-    if len(events) < 2:
+    if len(events) < 3:
         return "not measured"
+    if events[keys[2]][0].value == 0:
+        return "zero gradient (every draw)"
     return f"{events[keys[0]][0].value:.2f}, {events[keys[1]][0].value:.3f}"
 
 

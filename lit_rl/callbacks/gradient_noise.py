@@ -39,6 +39,9 @@ class GradientNoise(Callback):
       the share of a draw's squared norm that is signal;
     - ``grad/mean_norm``: :math:`\lVert\bar g\rVert`.
 
+    Where every draw is zero (all rewards of the batch equal and no KL yet, say), the two ratios are ``nan`` and
+    the norm 0.
+
     Memory: one running sum of the trainable parameters' gradients in float32 besides the step's own.
 
     Args:
@@ -110,9 +113,11 @@ def measure(method, batch: dict[str, Any], samples: int, seed: int) -> dict[str,
     sum_sq = float(sum(float(t.double().pow(2).sum()) for t in total))  # ||sum g_k||^2
     mean_sq = sum_sq / k**2  # ||mean g||^2
     spread = (sum(squares) - k * mean_sq) / (k - 1)  # (1/(K-1)) sum ||g_k - mean||^2
+    if sum(squares) == 0:  # every draw is zero (a batch whose rewards are all equal, say): no direction to compare
+        return {"grad/relative_variance": float("nan"), "grad/agreement": float("nan"), "grad/mean_norm": 0.0}
     return {
         "grad/relative_variance": spread / mean_sq if mean_sq > 0 else float("inf"),
-        "grad/agreement": (sum_sq - sum(squares)) / ((k - 1) * sum(squares)) if sum(squares) > 0 else float("nan"),
+        "grad/agreement": (sum_sq - sum(squares)) / ((k - 1) * sum(squares)),
         "grad/mean_norm": mean_sq**0.5,
     }
 
