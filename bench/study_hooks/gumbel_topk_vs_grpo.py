@@ -48,6 +48,20 @@ def memory(arm) -> str:
     return ", ".join(f"{k.split('/')[1]} {max(e.value for e in v):.2f}" for k, v in events.items()) or "not measured"
 
 
+def phase_seconds(arm) -> str:
+    """The median seconds of each of the method's phases over the steps after the first (the logged ``time/``)."""
+    import statistics
+
+    import lit_rl.methods
+
+    config = yaml.safe_load((arm.run_dir / "config.yaml").read_text())
+    method = getattr(lit_rl.methods, config["model"]["class_path"].rsplit(".", 1)[1])
+    keys = [f"time/{p}_s" for p in method.phase_names]
+    events = read_scalar_events(str(arm.run_dir), keys, optional=True)
+    return ", ".join(f"{k.split('/')[1][:-2]} {statistics.median(e.value for e in v[1:] or v):.2f}"
+                     for k, v in events.items()) or "not logged"  # fmt: skip
+
+
 def gradient_noise(arm) -> str:
     """The gradient twin's figures (lit_rl/callbacks/gradient_noise.py): relative variance and agreement of the
     step's gradient drawn again for the same prompts, before the first step."""
@@ -63,7 +77,8 @@ def gradient_noise(arm) -> str:
     return f"{events[keys[0]][0].value:.2f}, {events[keys[1]][0].value:.3f}"
 
 
-cells = {"step_seconds": step_seconds, "memory": memory, "gradient_noise": gradient_noise}
+cells = {"step_seconds": step_seconds, "phase_seconds": phase_seconds, "memory": memory,
+         "gradient_noise": gradient_noise}  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------ held-out scores
