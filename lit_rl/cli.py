@@ -374,8 +374,22 @@ def _reward_model(args: list[str]) -> None:
         parser.add_argument(
             "--" + name.replace("_", "-"), type=type(default), default=default, help=f"{text} (default: {default})"
         )
+    parser.add_argument(
+        "--probe-layers", metavar="FILE.md", help="instead of fitting the head: fit one on each layer of the trunk "
+        "and write their held-out agreement to FILE.md (lit_rl/reward_model/probe.py); --out is not written",
+    )  # fmt: skip
     settings = vars(parser.parse_args(args))
-    refit(settings.pop("out"), **settings)
+    table, out = settings.pop("probe_layers"), settings.pop("out")
+    if table is not None:
+        from lit_rl.reward_model.probe import probe_layers
+
+        for row in probe_layers(table, **settings):
+            print(
+                f"layer {row['layer']}: held-out AUC {row['auc'] or float('nan'):.3f}, accuracy {row['accuracy']:.3f}"
+            )
+        print(f"wrote {table}")
+        return
+    refit(out, **settings)
 
 
 def _rates(args: list[str]) -> None:

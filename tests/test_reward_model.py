@@ -354,3 +354,36 @@ def test_a_reward_model_as_a_reward_function_scores_each_completion_after_its_pr
     assert fn(completions[:1]) == pytest.approx(fn(completions[:1], prompts=[""]))  # no prompts: an empty one each
     with pytest.raises(ValueError, match="batch_size"):
         RewardModelScore(str(folder), batch_size=0)
+
+
+def test_layer_features_end_with_the_fits_own_mean_features(reward_folder):
+    """The probe's per-layer means read the same hidden states the fit reads: its last entry is the fit's feature."""
+    from lit_rl.reward_model.fit import extract_features, layer_features
+
+    folder, tok = reward_folder
+    model = load_reward_model(str(folder))
+    g = torch.Generator().manual_seed(3)
+    groups = [(torch.randint(3, 60, (n,), generator=g).tolist(),
+               [torch.randint(3, 60, (m,), generator=g).tolist() for m in (1, 4, 2)]) for n in (5, 2)]  # fmt: skip
+    per_layer = layer_features(model, groups, pad_id=tok.pad_token_id, rows_per_batch=4)
+    _, mean = extract_features(model, groups, pad_id=tok.pad_token_id)
+    assert per_layer.shape == (6, model.config.num_hidden_layers + 1, model.config.hidden_size)
+    torch.testing.assert_close(per_layer[:, -1], mean, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(per_layer[:, 0], per_layer[:, -1])  # the layers differ, so the order is checked
+
+
+def test_the_layer_probe_writes_a_row_per_hidden_state_and_one_for_the_best_three(tmp_path, capsys):
+    from lit_rl.cli import main
+
+    table = tmp_path / "layers.md"
+    main(["reward-model", "--base", "tiny:llama", "--num-train-prompts", "6", "--num-heldout-prompts", "4",
+          "--max-new-tokens", "4", "--probe-layers", str(table)])  # fmt: skip
+    rows = json.loads(table.with_suffix(".json").read_text())["rows"]
+    layers = [r["layer"] for r in rows]
+    assert layers[:-1] == list(range(len(rows) - 1)) and layers[-1].count("+") == 2
+    assert all(r["n"] == 16 for r in rows)
+    text = table.read_text()
+    assert (
+        text.count("\n| ") == len(rows) + 2 and "--probe-layers" in text and f"wrote {table}" in capsys.readouterr().out
+    )
+    assert not (tmp_path / "runs").exists()  # a probe saves no head

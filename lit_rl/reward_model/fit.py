@@ -112,6 +112,31 @@ def _completion_features(body, prompt_cache, prompt_mask, rows, pad_id):
     return h_last.cpu(), h_mean.cpu()
 
 
+def layer_features(model, groups, *, pad_id: int, rows_per_batch: int = 64) -> torch.Tensor:
+    """``[N, L + 1, H]`` float32: each hidden state of the trunk (the embeddings' output, then every layer's, the
+    last with the final norm, as ``output_hidden_states`` gives them) averaged over each completion's tokens.
+
+    Each row is its prompt (left-padded) then its completion (right-padded), positions from the mask, so the last
+    entry is :func:`extract_features`'s mean; no work is shared between rows (a probe, not the fit's fast path).
+    """
+    body = trunk(model)
+    device = next(model.parameters()).device
+    rows = [(p, c) for p, cs in groups for c in cs]
+    out = []
+    for start in tqdm(range(0, len(rows), rows_per_batch), desc="layer features", unit="batch", disable=None):
+        chunk = rows[start : start + rows_per_batch]
+        ids, prompt_mask = pad([p for p, _ in chunk], pad_id, left=True)  # [b, P]
+        comp, comp_mask = pad([c for _, c in chunk], pad_id, left=False)  # [b, C]
+        mask = torch.cat([prompt_mask, comp_mask], 1).to(device)  # [b, P + C]
+        with torch.no_grad():
+            hidden = body(input_ids=torch.cat([ids, comp], 1).to(device), attention_mask=mask,
+                          position_ids=(mask.cumsum(-1) - 1).clamp_min(0), output_hidden_states=True).hidden_states  # fmt: skip
+        weight = comp_mask.to(device).float()[..., None]  # [b, C, 1]
+        p = ids.shape[1]
+        out.append(torch.stack([(h[:, p:].float() * weight).sum(1) / weight.sum(1) for h in hidden], 1).cpu())
+    return torch.cat(out)  # [N, L + 1, H]
+
+
 def fit_linear_head(features: torch.Tensor, labels: torch.Tensor, *, l2: float = 1e-3, steps: int = 300):
     """The ``[H]`` weight of a logistic regression of ``labels [N]`` on ``features [N, H]``, full-batch LBFGS.
 

@@ -142,6 +142,24 @@ def score_soft_sparse(reward_model, groups, *, pad_id: int, batch_size: int = 32
     return torch.cat(scores)
 
 
+def sample_task(base, num_train_prompts, num_heldout_prompts, per_prompt, max_new_tokens, min_tokens, temperature,
+                seed):  # fmt: skip
+    """The fit's data: ``(classifier, tokenizer, held-out openings, (train groups, texts), (held-out groups, texts))``,
+    training continuations cut at random lengths (:func:`train_sentiment_reward_model` documents the arguments)."""
+    from lit_rl.models import load_causal_lm
+
+    model, tokenizer = build_classifier(base, seed=seed)
+    formatter = review_formatter(tokenizer)
+    policy = load_causal_lm(base, vocab_size=len(tokenizer)).eval()
+    kw = {"per_prompt": per_prompt, "max_new_tokens": max_new_tokens, "temperature": temperature}
+    train = review_openings(num_train_prompts, split="train", seed=seed)
+    heldout = review_openings(num_heldout_prompts, split="heldout", seed=seed)
+    groups, _ = sample_policy_groups(policy, tokenizer, formatter, train, seed=seed + 1, **kw)
+    groups, texts = cut_at_random_lengths(groups, tokenizer, min_tokens=min_tokens, seed=seed)
+    held = sample_policy_groups(policy, tokenizer, formatter, heldout, seed=seed + 2, **kw)
+    return model, tokenizer, heldout, (groups, texts), held
+
+
 def train_sentiment_reward_model(
     out_dir: str | Path,
     *,
@@ -175,7 +193,7 @@ def train_sentiment_reward_model(
     """
     from safetensors.torch import save_file
 
-    from lit_rl.models import load_causal_lm, load_reward_model
+    from lit_rl.models import load_reward_model
     from lit_rl.models.reward import classification_head
 
     out_dir = Path(out_dir).expanduser()
@@ -186,16 +204,9 @@ def train_sentiment_reward_model(
             "num_train_prompts, num_heldout_prompts, per_prompt, max_new_tokens and min_tokens must be >= 1"
         )
     t_start = time.perf_counter()
-    model, tokenizer = build_classifier(base, seed=seed)
-    formatter = review_formatter(tokenizer)
-    policy = load_causal_lm(base, vocab_size=len(tokenizer)).eval()
-    kw = {"per_prompt": per_prompt, "max_new_tokens": max_new_tokens, "temperature": temperature}
-    train = review_openings(num_train_prompts, split="train", seed=seed)
-    heldout = review_openings(num_heldout_prompts, split="heldout", seed=seed)
-    groups, _ = sample_policy_groups(policy, tokenizer, formatter, train, seed=seed + 1, **kw)
-    groups, texts = cut_at_random_lengths(groups, tokenizer, min_tokens=min_tokens, seed=seed)
-    held_groups, held_texts = sample_policy_groups(policy, tokenizer, formatter, heldout, seed=seed + 2, **kw)
-    del policy
+    model, tokenizer, heldout, (groups, texts), (held_groups, held_texts) = sample_task(
+        base, num_train_prompts, num_heldout_prompts, per_prompt, max_new_tokens, min_tokens, temperature, seed
+    )
     y_train, y_held = torch.tensor(vader_positive(texts)), torch.tensor(vader_positive(held_texts))  # [N], [N_held]
     t_sampling = time.perf_counter() - t_start
     pad_id = tokenizer.pad_token_id
