@@ -235,6 +235,11 @@ class Predictions:
         self.pool.shutdown()
 
 
+def _workers(args: argparse.Namespace) -> int:
+    """``--workers``, or the machine's cores less two (at most 8, at least 1)."""
+    return args.workers or max(1, min(8, (os.cpu_count() or 2) - 2))
+
+
 def predict_missing(results: dict, cases: tuple, sizes: Sizes, workers: int) -> None:
     """Fill the predictions of the peaks and tactics entries a run measured but stopped before predicting (its time
     limit fell in the wait for the workers). The estimator runs on fake tensors, so it needs no GPU: the same call at
@@ -701,7 +706,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.render:
         results = json.loads(Path(args.render).read_text())
         if args.predict_missing:
-            predict_missing(results, cases, sizes, args.workers or max(1, min(8, (os.cpu_count() or 2) - 2)))
+            predict_missing(results, cases, sizes, _workers(args))
             Path(args.render).write_text(json.dumps(results, indent=1, default=str))
         Path(args.out).write_text(render(results))
         return results
@@ -735,7 +740,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"[device_check] {part}: {key} done in {results['seconds'][f'{part}: {key}']:.1f} s", flush=True)
         save()
 
-    args.predictions = Predictions(args.workers or max(1, min(8, (os.cpu_count() or 2) - 2)))
+    args.predictions = Predictions(_workers(args))
     for part in args.parts:
         PARTS[part](args, cases, sizes, record)
     print("[device_check] waiting for the estimator's predictions ...", flush=True)

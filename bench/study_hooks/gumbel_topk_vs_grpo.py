@@ -34,16 +34,20 @@ def step_seconds(arm) -> str:
     return f"{max(seconds.values()) / max(max(seconds), 1):.1f}"
 
 
+def _phase_names(run_dir: Path) -> tuple[str, ...]:
+    """The phases of the method the run in ``run_dir`` trained (from its saved config)."""
+    import lit_rl.methods
+
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    return getattr(lit_rl.methods, config["model"]["class_path"].rsplit(".", 1)[1]).phase_names
+
+
 def memory(arm) -> str:
     """The highest tensor peak (GiB) the memory profiler logged for each of the method's phases in the twin run."""
     twin = arm.others.get(arm.spec.get("profiled"))
     if twin is None:
         return "not measured"
-    import lit_rl.methods
-
-    config = yaml.safe_load((twin.run_dir / "config.yaml").read_text())
-    method = getattr(lit_rl.methods, config["model"]["class_path"].rsplit(".", 1)[1])
-    keys = [f"memory/{p}/peak_gib" for p in method.phase_names]
+    keys = [f"memory/{p}/peak_gib" for p in _phase_names(twin.run_dir)]
     events = read_scalar_events(str(twin.run_dir), keys, optional=True)
     return ", ".join(f"{k.split('/')[1]} {max(e.value for e in v):.2f}" for k, v in events.items()) or "not measured"
 
@@ -52,11 +56,7 @@ def phase_seconds(arm) -> str:
     """The median seconds of each of the method's phases over the steps after the first (the logged ``time/``)."""
     import statistics
 
-    import lit_rl.methods
-
-    config = yaml.safe_load((arm.run_dir / "config.yaml").read_text())
-    method = getattr(lit_rl.methods, config["model"]["class_path"].rsplit(".", 1)[1])
-    keys = [f"time/{p}_s" for p in method.phase_names]
+    keys = [f"time/{p}_s" for p in _phase_names(arm.run_dir)]
     events = read_scalar_events(str(arm.run_dir), keys, optional=True)
     return ", ".join(f"{k.split('/')[1][:-2]} {statistics.median(e.value for e in v[1:] or v):.2f}"
                      for k, v in events.items()) or "not logged"  # fmt: skip

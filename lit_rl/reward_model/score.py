@@ -24,7 +24,26 @@ from typing import Any
 
 import torch
 
-__all__ = ["RewardModelScore", "shipped_sentiment"]
+from lit_rl.reward_model.fit import pad
+
+__all__ = ["RewardModelScore", "score_pairs", "shipped_sentiment"]
+
+
+@torch.no_grad()
+def score_pairs(model, pairs: list[tuple[list[int], list[int]]], *, pad_id: int, batch_size: int = 32) -> torch.Tensor:
+    """``[N]`` float32 scores on the CPU of ``(prompt ids, completion ids)`` pairs (completions non-empty), through
+    ``model.forward_soft_sparse`` with one-hot soft tokens, ``batch_size`` pairs per forward on the model's device:
+    prompts left-padded, completions right-padded."""
+    device = next(model.parameters()).device
+    out = []
+    for start in range(0, len(pairs), batch_size):
+        chunk = pairs[start : start + batch_size]
+        ids, prompt_mask = pad([p for p, _ in chunk], pad_id, left=True)  # [b, P]
+        comp, comp_mask = pad([c for _, c in chunk], pad_id, left=False)  # [b, C]
+        mask = torch.cat([prompt_mask, comp_mask], dim=1).to(device)  # [b, P + C]
+        weights = torch.ones(*comp.shape, 1, device=device)  # [b, C, 1] one-hot soft tokens
+        out.append(model.forward_soft_sparse(ids.to(device), comp[..., None].to(device), weights, mask).float().cpu())
+    return torch.cat(out) if out else torch.zeros(0)
 
 
 class RewardModelScore:
@@ -65,13 +84,6 @@ class RewardModelScore:
         self.model = load_reward_model(self.name_or_path, policy_tokenizer=self.tokenizer, dtype=self.dtype,
                                        vocab_size=len(self.tokenizer), head_file=head_file).to(self.device)  # fmt: skip
 
-    def _padded(self, seqs: list[list[int]], side: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[n, L]`` ids and mask of ``seqs`` padded to one length on ``side`` (prompts left, completions right)."""
-        self.tokenizer.padding_side = side
-        batch = self.tokenizer.pad({"input_ids": seqs}, return_tensors="pt")
-        return batch["input_ids"].to(self.device), batch["attention_mask"].to(self.device)
-
-    @torch.no_grad()
     def scores(self, completions: list[str], prompts: list[str]) -> torch.Tensor:
         """``[N]`` float32 scores on the CPU; an empty completion is scored as the EOS token alone."""
         if self.model is None:
@@ -80,15 +92,7 @@ class RewardModelScore:
         pairs = [(tok(p, add_special_tokens=False)["input_ids"],
                   tok(c, add_special_tokens=False)["input_ids"] or [tok.eos_token_id])
                  for p, c in zip(prompts, completions, strict=True)]  # fmt: skip
-        out = []
-        for start in range(0, len(pairs), self.batch_size):
-            chunk = pairs[start : start + self.batch_size]
-            ids, prompt_mask = self._padded([p for p, _ in chunk], "left")  # [b, P]
-            comp, comp_mask = self._padded([c for _, c in chunk], "right")  # [b, C]
-            mask = torch.cat([prompt_mask, comp_mask], dim=1)  # [b, P + C]
-            weights = torch.ones(*comp.shape, 1, device=self.device)  # [b, C, 1] one-hot soft tokens
-            out.append(self.model.forward_soft_sparse(ids, comp[..., None], weights, mask).float().cpu())
-        return torch.cat(out) if out else torch.zeros(0)
+        return score_pairs(self.model, pairs, pad_id=tok.pad_token_id, batch_size=self.batch_size)
 
     def __call__(self, completions: list[str], prompts: list[str] | None = None, **_: Any) -> list[float]:
         if prompts is None:

@@ -35,6 +35,7 @@ from lit_rl.data.sentiment import review_openings, vader_compound, vader_positiv
 from lit_rl.models import EMBEDDED, TINY_PREFIX, load_tokenizer, resolve_source
 from lit_rl.reward_model import HEAD_FILE, META_FILE, SHIPPED_HEAD_DIR, shipped_head_file
 from lit_rl.reward_model.fit import agreement, choose_and_fit, extract_features, pad
+from lit_rl.reward_model.score import score_pairs
 
 
 def review_formatter(tokenizer) -> PromptDataModule:
@@ -130,16 +131,9 @@ def cut_at_random_lengths(groups, tokenizer, *, min_tokens: int, seed: int):
 
 
 def score_soft_sparse(reward_model, groups, *, pad_id: int, batch_size: int = 32) -> torch.Tensor:
-    """Scores ``[N]`` through the reward model's ``forward_soft_sparse`` with one-hot soft tokens."""
-    rows = [(p, c) for p, cs in groups for c in cs]
-    scores = []
-    for start in range(0, len(rows), batch_size):
-        ids, prompt_mask = pad([p for p, _ in rows[start : start + batch_size]], pad_id, left=True)  # [b, P]
-        comp, comp_mask = pad([c for _, c in rows[start : start + batch_size]], pad_id, left=False)  # [b, C]
-        mask = torch.cat([prompt_mask, comp_mask], dim=1)  # [b, P + C]
-        with torch.no_grad():
-            scores.append(reward_model.forward_soft_sparse(ids, comp[..., None], torch.ones(*comp.shape, 1), mask))
-    return torch.cat(scores)
+    """Scores ``[N]`` of every completion of ``groups`` through the reward model's ``forward_soft_sparse`` with
+    one-hot soft tokens (:func:`~lit_rl.reward_model.score.score_pairs`)."""
+    return score_pairs(reward_model, [(p, c) for p, cs in groups for c in cs], pad_id=pad_id, batch_size=batch_size)
 
 
 def sample_task(base, num_train_prompts, num_heldout_prompts, per_prompt, max_new_tokens, min_tokens, temperature,
