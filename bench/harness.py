@@ -41,11 +41,15 @@ LOAD_NOTE = (
 
 # ------------------------------------------------------------------------------------------------ provenance
 def git_commit(ref: str = "HEAD", *, cwd: Path = ROOT) -> str:
-    """Short hash of ``ref``, with ``+changes`` when ``ref`` is HEAD and tracked files differ from it."""
+    """Short hash of ``ref``, with ``+changes`` when ``ref`` is HEAD and tracked files differ from it.
+
+    ``bench/results`` is left out of the comparison: it holds what the runs write (a study's ``before`` step writes
+    a results file before its first run), not code a run executes."""
     head = subprocess.run(["git", "rev-parse", "--short", ref], cwd=cwd, capture_output=True, text=True)
     if ref != "HEAD":
         return head.stdout.strip() or "unknown"
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd, capture_output=True)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!bench/results"],
+                           cwd=cwd, capture_output=True)  # fmt: skip
     return (head.stdout.strip() or "unknown") + ("+changes" if dirty.stdout.strip() else "")
 
 

@@ -229,3 +229,27 @@ def test_unknown_study_and_arm_are_refused():
     if STUDIES:
         done = _study(STUDIES[0], "--quick", "--arms", "no_such_arm")
         assert done.returncode != 0 and "unknown no_such_arm" in done.stderr
+
+
+def test_git_commit_marks_changed_code_but_not_written_results(tmp_path):
+    """A study's ``before`` step writes bench/results/ before its first run: that must not mark the run's code as
+    changed, while a changed tracked file anywhere else must."""
+    from bench_loader import load_bench
+
+    git = lambda *a: subprocess.run(["git", *a], cwd=tmp_path, check=True, capture_output=True)  # noqa: E731
+    (tmp_path / "bench" / "results").mkdir(parents=True)
+    (tmp_path / "bench" / "results" / "rates.json").write_text("{}\n")
+    (tmp_path / "code.py").write_text("x = 1\n")
+    git("init", "-q")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "first", "--allow-empty")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "files")
+    with load_bench("harness.py") as harness:
+        clean = harness.git_commit(cwd=tmp_path)
+        (tmp_path / "bench" / "results" / "rates.json").write_text('{"written": "by a run"}\n')
+        after_results = harness.git_commit(cwd=tmp_path)
+        (tmp_path / "code.py").write_text("x = 2\n")
+        after_code = harness.git_commit(cwd=tmp_path)
+    assert re.fullmatch(r"[0-9a-f]{7,}", clean)
+    assert after_results == clean
+    assert after_code == clean + "+changes"
