@@ -73,9 +73,9 @@ def _smallest_k(count: int) -> int:
 def test_checkpointed_layers_counts_every_kth_layer_from_the_first():
     assert [checkpointed_layers(30, k) for k in (0, 1, 2, 3, 5, 10, 15, 29, 30)] == [0, 30, 15, 10, 6, 3, 2, 2, 1]
     model = tiny_model("llama", num_layers=LAYERS)
-    enable_activation_checkpointing(model, every_n_layers=3)
+    reported = enable_activation_checkpointing(model, every_n_layers=3)
     flags = [layer.gradient_checkpointing for layer in model.model.layers]
-    assert flags == [i % 3 == 0 for i in range(LAYERS)] and sum(flags) == checkpointed_layers(LAYERS, 3)
+    assert flags == [i % 3 == 0 for i in range(LAYERS)] and sum(flags) == checkpointed_layers(LAYERS, 3) == reported
 
 
 @pytest.mark.slow  # nine estimates

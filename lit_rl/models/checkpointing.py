@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from transformers import PreTrainedModel
+
 from lit_rl.models.head import base_model
 
 
@@ -36,4 +38,6 @@ def enable_activation_checkpointing(model, every_n_layers: int = 1, offload: boo
         )
     if any(not p.requires_grad for p in base.parameters()) and not getattr(base, "_require_grads_hooks", None):
         base.enable_input_require_grads()
-    return sum(1 for m in base.modules() if getattr(m, "gradient_checkpointing", False))
+    # the decoder's own flag (``model.model.gradient_checkpointing``, which transformers 5 sets too) is not a layer
+    return sum(1 for m in base.modules() if getattr(m, "gradient_checkpointing", False)
+               and not isinstance(m, PreTrainedModel))  # fmt: skip
