@@ -82,17 +82,26 @@ def test_sparse_equals_dense_value_and_gradient_float64(reward_folder):
     assert grad_sparse[1, 3:].abs().max() == 0  # masked positions after the end do not reach the score
 
 
-def test_mean_pooled_sparse_score_equals_a_plain_mean_of_the_head_value_and_gradient_float64(reward_folder, tmp_path):
+@pytest.mark.parametrize("mode, layers", [("mean", None), ("sum", None), ("sum", 1), ("mean", 2)])
+def test_pooled_sparse_score_equals_a_plain_pool_of_the_head_value_and_gradient_float64(
+    reward_folder, tmp_path, mode, layers
+):
+    """A head file that pools over the completion (mean or sum), reading the last layer or an earlier one (``layers``
+    of the tiny trunk's 2: the trunk keeps those, then its final norm), against the full model's own hidden state
+    after that layer, normed, the head applied per token and pooled, each row alone."""
     from safetensors.torch import save_file
 
     from lit_rl.models.reward import pooling
 
     folder, tok = reward_folder
     head = torch.randn(1, 32, generator=torch.Generator().manual_seed(3))  # [1, H]
-    save_file({"score.weight": head}, tmp_path / "head.safetensors", metadata={"pooling": "mean"})
+    meta = {"pooling": mode, **({} if layers is None else {"layers": str(layers)})}
+    save_file({"score.weight": head}, tmp_path / "head.safetensors", metadata=meta)
     model = load_reward_model(str(folder), policy_tokenizer=tok, head_file=str(tmp_path / "head.safetensors"))
-    assert pooling(model) == "mean" and torch.equal(model.score.weight, head)
+    assert pooling(model) == mode and torch.equal(model.score.weight, head)
+    assert len(model.model.layers) == (layers or 2) == model.config.num_hidden_layers
     model = model.double()
+    full = LlamaForSequenceClassification.from_pretrained(folder, dtype=torch.float64)  # every layer, the reference
     B, C, k = 3, 5, 3
     V = model.get_input_embeddings().num_embeddings
     g = torch.Generator().manual_seed(4)
@@ -109,11 +118,14 @@ def test_mean_pooled_sparse_score_equals_a_plain_mean_of_the_head_value_and_grad
     w = weights.detach().clone().requires_grad_(True)
     embeds = (w[..., None] * E[soft_indices]).sum(-2)  # [B, C, H]
     plain = []
-    for b in range(B):  # each row alone, no padding: the head at each completion token, averaged
+    for b in range(B):  # each row alone, no padding: the head at each completion token, pooled
         n = int(completion_mask[b].sum())
         row = torch.cat([E[input_ids[b, prompt_mask[b].bool()]], embeds[b, :n]])  # [P_b + n, H]
-        hidden = model.model(inputs_embeds=row[None])[0][0, -n:]  # [n, H]
-        plain.append((hidden @ model.score.weight[0]).mean())
+        states = full.model(inputs_embeds=row[None], output_hidden_states=True).hidden_states
+        # transformers gives the last layer's state normed already, and every earlier one before the norm
+        hidden = (states[-1] if layers in (None, 2) else full.model.norm(states[layers]))[0, -n:]  # [n, H]
+        per_token = hidden @ model.score.weight[0]  # [n]
+        plain.append(per_token.sum() if mode == "sum" else per_token.mean())
     plain = torch.stack(plain)  # [B]
     (grad_plain,) = torch.autograd.grad(plain.sum(), w)
     torch.testing.assert_close(sparse.double(), plain, rtol=0, atol=1e-9)
@@ -121,7 +133,7 @@ def test_mean_pooled_sparse_score_equals_a_plain_mean_of_the_head_value_and_grad
     assert grad_sparse[0, 2:].abs().max() == 0
 
 
-@pytest.mark.parametrize("mode", ["last", "mean"])
+@pytest.mark.parametrize("mode", ["last", "mean", "sum"])
 def test_every_prefix_score_equals_the_score_of_that_prefix_float64(reward_folder, mode):
     from lit_rl.models import score_every_prefix, soft_embeddings
 
@@ -248,13 +260,16 @@ def test_features_equal_a_plain_forward_and_the_soft_sparse_score():
         (enc[1], [[40, 41, 42, 43, 44, 2]]),
         (enc[2], [[50, 51], [52, 53, 54], [55]]),
     ]
-    last, mean = extract_features(model, groups, pad_id=tok.pad_token_id, prompts_per_batch=2, rows_per_batch=2)
+    features = extract_features(model, groups, pad_id=tok.pad_token_id, prompts_per_batch=2, rows_per_batch=2)
+    last = features.last
     body = model.model
     with torch.no_grad():
         for i, (p, c) in enumerate([(p, c) for p, cs in groups for c in cs]):
             hidden = body(input_ids=torch.tensor([p + c]))[0][0]  # [P + C, H]
             torch.testing.assert_close(last[i], hidden[-1], rtol=1e-4, atol=1e-5)
-            torch.testing.assert_close(mean[i], hidden[len(p) :].mean(0), rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(features.mean[i], hidden[len(p) :].mean(0), rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(features.tokens[features.owner == i], hidden[len(p) :], rtol=1e-4, atol=1e-5)
+    assert features.owner.tolist() == sorted(features.owner.tolist())  # completion after completion
     scores = score_soft_sparse(model_with_soft(model), groups, pad_id=tok.pad_token_id, batch_size=4)  # [N]
     torch.testing.assert_close(scores, last @ model.score.weight[0], rtol=1e-4, atol=1e-5)
 
@@ -285,16 +300,18 @@ def test_train_writes_a_loadable_head_with_its_metrics(tmp_path):
 
     out = tmp_path / "rm"
     meta = train_sentiment_reward_model(
-        out, base="tiny:llama", num_train_prompts=8, num_heldout_prompts=4, max_new_tokens=5
+        out, base="tiny:llama", num_train_prompts=8, num_heldout_prompts=4, max_new_tokens=5, layers=1
     )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rm"]  # no temporary folder left behind
     assert sorted(p.name for p in out.iterdir()) == [HEAD_FILE, META_FILE], "the head only: kilobytes, not a model"
     saved = json.loads((out / META_FILE).read_text())
     assert saved["train_pairs"] == 32 and saved["heldout"]["agreement"]["n"] == 16
     assert saved["heldout"]["feature_path_max_abs_diff"] < 1e-4, "the saved head scores as the fitted features say"
-    assert saved["l2"] == meta["l2"] and len(saved["heldout"]["examples"]) == 16
+    assert saved["choice"] == meta["choice"] and len(saved["heldout"]["examples"]) == 16
+    assert saved["choice"]["width"] in (32, 64) and saved["layers"] == 1
     model = load_reward_model("tiny:llama", policy_tokenizer=tiny_tokenizer(), head_file=str(out / HEAD_FILE))
-    assert model.score.weight.abs().sum() > 0
+    assert isinstance(model.score, torch.nn.Sequential) and model.score[0].weight.abs().sum() > 0
+    assert len(model.model.layers) == 1, "the trunk keeps the layer the head reads after, not the ones above it"
 
 
 def test_an_interrupted_run_leaves_no_folder(tmp_path, monkeypatch):
@@ -366,7 +383,7 @@ def test_layer_features_end_with_the_fits_own_mean_features(reward_folder):
     groups = [(torch.randint(3, 60, (n,), generator=g).tolist(),
                [torch.randint(3, 60, (m,), generator=g).tolist() for m in (1, 4, 2)]) for n in (5, 2)]  # fmt: skip
     per_layer = layer_features(model, groups, pad_id=tok.pad_token_id, rows_per_batch=4)
-    _, mean = extract_features(model, groups, pad_id=tok.pad_token_id)
+    mean = extract_features(model, groups, pad_id=tok.pad_token_id).mean
     assert per_layer.shape == (6, model.config.num_hidden_layers + 1, model.config.hidden_size)
     torch.testing.assert_close(per_layer[:, -1], mean, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(per_layer[:, 0], per_layer[:, -1])  # the layers differ, so the order is checked

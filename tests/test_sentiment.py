@@ -158,6 +158,13 @@ def test_a_head_of_another_shape_is_refused_in_one_line(tmp_path):
     save_file({"score.weight": torch.zeros(1, 7)}, tmp_path / "head.safetensors")
     with pytest.raises(ValueError, match=r"holds a weight of shape \(1, 7\), the model's head is \(1, 32\)"):
         load_reward_model("tiny:llama", policy_tokenizer=tiny_tokenizer(), head_file=str(tmp_path / "head.safetensors"))
-    save_file({"score.weight": torch.zeros(1, 32)}, tmp_path / "sum.safetensors", metadata={"pooling": "sum"})
-    with pytest.raises(ValueError, match=r"pooling 'sum' is not 'last' or 'mean'; refit the head"):
-        load_reward_model("tiny:llama", policy_tokenizer=tiny_tokenizer(), head_file=str(tmp_path / "sum.safetensors"))
+    save_file({"score.weight": torch.zeros(1, 32)}, tmp_path / "max.safetensors", metadata={"pooling": "max"})
+    with pytest.raises(ValueError, match=r"pooling 'max' is not one of last, mean, sum; refit the head"):
+        load_reward_model("tiny:llama", policy_tokenizer=tiny_tokenizer(), head_file=str(tmp_path / "max.safetensors"))
+    deep = tmp_path / "deep.safetensors"
+    save_file({"score.weight": torch.zeros(1, 32)}, deep, metadata={"pooling": "sum", "layers": "9"})
+    with pytest.raises(ValueError, match=r"after decoder layer 9, and the trunk \(LlamaModel\) has 2 decoder layers"):
+        load_reward_model("tiny:llama", policy_tokenizer=tiny_tokenizer(), head_file=str(deep))
+    save_file({"score.weight": torch.zeros(1, 32)}, deep, metadata={"layers": "first"})
+    with pytest.raises(ValueError, match=r"layers 'first' is not a positive integer; refit the head"):
+        load_reward_model("tiny:llama", policy_tokenizer=tiny_tokenizer(), head_file=str(deep))

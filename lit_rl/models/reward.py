@@ -37,6 +37,8 @@ from lit_rl.models.shapes import SHAPE_PREFIX, shape_config, with_tiny_special_t
 
 # attribute names of the classification head on the last hidden state, in the order they are tried
 HEAD_NAMES = ("score", "classifier", "classification_head", "v_head")
+#: how a head reads a completion (:func:`pooling`)
+POOLINGS = ("last", "mean", "sum")
 
 
 def load_reward_model(
@@ -85,6 +87,8 @@ def load_reward_model(
         config = copy.deepcopy(config)
         config.num_labels = 1
         model = build_from_config(AutoModelForSequenceClassification, config, resolve_dtype(dtype, config))
+        if head_file is not None:  # a head that reads an early layer: the estimate counts the kept layers only
+            keep_layers(model, head_metadata(head_file)["layers"], head_file)
         if quantize_base == "nf4":
             nf4_stand_in(model)
         freeze(model)
@@ -158,37 +162,105 @@ def _from_pretrained(name_or_path: str, gguf_file: str | None, torch_dtype, trus
     return model
 
 
-def load_head(model, head_file: str) -> None:
-    """Copy the classification head's weights from ``head_file`` (safetensors, ``<head name>.weight [1, H]``).
+def head_metadata(head_file: str) -> dict:
+    """``{"pooling": ..., "layers": int | None}`` from a head file's safetensors metadata (no tensor is read).
 
-    The file's metadata may say ``pooling: mean``: the score is then the head's mean over the completion's tokens
-    (:func:`pooling`), which reads a whole continuation where the last token of a small model does not.
+    ``pooling``: how the head reads a completion (:func:`pooling`; ``last`` when the file does not say).
+    ``layers``: the trunk's decoder layers the head was fitted after (the rest are dropped, :func:`keep_layers`);
+    ``None``: all of them.
+
+    Raises:
+        ValueError: an unknown pooling or a layer count that is not a positive integer; names the file and the fix.
+    """
+    from safetensors import safe_open
+
+    with safe_open(head_file, "pt") as f:
+        meta = f.metadata() or {}
+    mode, layers = meta.get("pooling", "last"), meta.get("layers")
+    if mode not in POOLINGS:
+        raise ValueError(
+            f"reward model head {head_file}: pooling {mode!r} is not one of {', '.join(POOLINGS)}; refit the head"
+        )
+    if layers is not None and not (layers.isdigit() and int(layers) > 0):
+        raise ValueError(f"reward model head {head_file}: layers {layers!r} is not a positive integer; refit the head")
+    return {"pooling": mode, "layers": None if layers is None else int(layers)}
+
+
+def keep_layers(model, layers: int | None, head_file: str = "") -> None:
+    """Keep the trunk's first ``layers`` decoder layers (``None``: all): its output is then the final norm of
+    layer ``layers``' hidden state, which a head fitted there reads; the layers after it are never run.
+
+    Raises:
+        ValueError: a trunk without a ``layers`` list, or fewer layers than the head needs; one line with the fix.
+    """
+    if layers is None:
+        return
+    body = trunk(model)
+    stack = getattr(body, "layers", None)
+    if not isinstance(stack, torch.nn.ModuleList) or layers > len(stack):
+        have = f"{len(stack)} decoder layers" if isinstance(stack, torch.nn.ModuleList) else "no `layers` list"
+        raise ValueError(
+            f"reward model head {head_file}: reads the hidden state after decoder layer {layers}, and the trunk "
+            f"({type(body).__name__}) has {have}; use the trunk the head was fitted on"
+        )
+    body.layers = torch.nn.ModuleList(list(stack)[:layers])
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    config.num_hidden_layers = layers
+    if isinstance(getattr(config, "layer_types", None), list):
+        config.layer_types = config.layer_types[:layers]
+
+
+def mlp_head(hidden_size: int, width: int) -> torch.nn.Sequential:
+    """A score head of two layers, ``Linear(H, width)``, GELU, ``Linear(width, 1)``: a head file holding
+    ``<name>.0.weight`` (``[width, H]``) and the rest of this module's state dict loads as one (:func:`load_head`)."""
+    return torch.nn.Sequential(torch.nn.Linear(hidden_size, width), torch.nn.GELU(), torch.nn.Linear(width, 1))
+
+
+def load_head(model, head_file: str) -> None:
+    """Load the classification head's weights from ``head_file`` (safetensors): a linear head (``<head name>.weight
+    [1, H]``, a bias optional) or the two layers of :func:`mlp_head` (``<head name>.0.weight [width, H]``, ...), which
+    then replaces the model's head.
+
+    The file's metadata (:func:`head_metadata`) may say ``pooling: mean`` or ``sum``: the score is then the head's
+    mean or sum over the completion's tokens (:func:`pooling`), which reads a whole continuation where the last
+    token of a small model does not; and ``layers: K``: the head reads the hidden state after decoder layer ``K``,
+    so the trunk keeps its first ``K`` layers (:func:`keep_layers`).
 
     Raises:
         ValueError: the file holds no head weight, or one whose shape is not the model's; names the file and the fix.
     """
-    from safetensors import safe_open
     from safetensors.torch import load_file
 
+    meta = head_metadata(head_file)
+    keep_layers(model, meta["layers"], head_file)
     head = classification_head(model)
-    tensors = load_file(head_file)
-    with safe_open(head_file, "pt") as f:
-        mode = (f.metadata() or {}).get("pooling", "last")
-    if mode not in ("last", "mean"):
-        raise ValueError(f"reward model head {head_file}: pooling {mode!r} is not 'last' or 'mean'; refit the head")
-    weight = next((t for name, t in tensors.items() if name.split(".")[-1] == "weight"), None)
-    if weight is None or weight.shape != head.weight.shape:
-        found = "no weight" if weight is None else f"a weight of shape {tuple(weight.shape)}"
-        raise ValueError(
-            f"reward model head {head_file}: holds {found}, the model's head is {tuple(head.weight.shape)}; "
-            "use a head fitted on this model's trunk (`lit-rl reward-model --base` it)"
-        )
-    with torch.no_grad():
-        head.weight.copy_(weight)
-        if getattr(head, "bias", None) is not None:
-            bias = next((t for name, t in tensors.items() if name.split(".")[-1] == "bias"), None)
-            head.bias.copy_(bias) if bias is not None else head.bias.zero_()
-    model.score_pooling = mode
+    tensors = {name.split(".", 1)[1] if name.split(".")[0] in HEAD_NAMES else name: t
+               for name, t in load_file(head_file).items()}  # fmt: skip
+    ref = next(head.parameters())  # the head's dtype and device
+    hidden = model.config.get_text_config().hidden_size
+    if "0.weight" in tensors and tensors["0.weight"].dim() == 2 and tensors["0.weight"].shape[1] == hidden:
+        mlp = mlp_head(hidden, tensors["0.weight"].shape[0]).to(ref)
+        try:
+            mlp.load_state_dict(tensors)
+        except RuntimeError as err:
+            raise ValueError(
+                f"reward model head {head_file}: not a head of two layers ({err}); refit the head"
+            ) from err
+        name = next(n for n in HEAD_NAMES if getattr(model, n, None) is head)
+        setattr(model, name, mlp)
+    else:
+        weight = tensors.get("weight", tensors.get("0.weight"))
+        if weight is None or weight.shape != (1, hidden) or not isinstance(head, torch.nn.Linear):
+            found = "no weight" if weight is None else f"a weight of shape {tuple(weight.shape)}"
+            raise ValueError(
+                f"reward model head {head_file}: holds {found}, the model's head is {(1, hidden)}; "
+                "use a head fitted on this model's trunk (`lit-rl reward-model --base` it)"
+            )
+        with torch.no_grad():
+            head.weight.copy_(weight)
+            if getattr(head, "bias", None) is not None:
+                head.bias.copy_(tensors["bias"]) if "bias" in tensors else head.bias.zero_()
+    model.score_pooling = meta["pooling"]
 
 
 def freeze(model) -> None:
@@ -275,9 +347,10 @@ def forward_soft_embeds(
     if attention_mask.shape != (B, P + C):
         raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}; expected {(B, P + C)}")
     hidden = _hidden_states(model, input_ids, completion_embeds, attention_mask.long())  # [B, P + C, H]
-    if pooling(model) == "mean":
+    if pooling(model) != "last":  # the head at every completion token, summed or averaged
         keep = attention_mask[:, P:].to(torch.float32)  # [B, C]
-        return (_score(model, hidden[:, P:]) * keep).sum(-1) / keep.sum(-1).clamp_min(1)  # [B]
+        total = (_score(model, hidden[:, P:]) * keep).sum(-1)  # [B]
+        return total if pooling(model) == "sum" else total / keep.sum(-1).clamp_min(1)
     positions = torch.arange(P + C, device=attention_mask.device)  # [P + C]
     last = (positions * attention_mask.long()).argmax(-1)  # [B] rightmost position whose mask is 1
     pooled = hidden[torch.arange(B, device=hidden.device), last]  # [B, H]
@@ -301,7 +374,9 @@ def score_every_prefix(
     ones = torch.ones(B, C, dtype=torch.long, device=prompt_mask.device)  # [B, C]
     hidden = _hidden_states(model, input_ids, completion_embeds, torch.cat([prompt_mask.long(), ones], 1))
     scores = _score(model, hidden[:, P:])  # [B, C] the head at each completion position
-    if pooling(model) == "mean":  # the mean of the head over the prefix's completion tokens
+    if pooling(model) == "sum":  # the sum of the head over the prefix's completion tokens
+        return scores.cumsum(-1)  # [B, C]
+    if pooling(model) == "mean":  # their mean
         return scores.cumsum(-1) / torch.arange(1, C + 1, device=scores.device, dtype=scores.dtype)  # [B, C]
     return scores
 
@@ -317,7 +392,8 @@ def _hidden_states(model, input_ids: torch.Tensor, completion_embeds: torch.Tens
 
 def pooling(model) -> str:
     """How the reward model reads a completion: ``last`` (the head at the last token, what a ``...ForSequence
-    Classification`` does) or ``mean`` (the head's mean over the completion's tokens; set by a head file that says so).
+    Classification`` does), ``mean`` or ``sum`` (the head's mean or sum over the completion's tokens; set by a head
+    file that says so).
     """
     return getattr(model, "score_pooling", "last")
 
@@ -341,8 +417,9 @@ def check_parity(model, name: str) -> None:
         ids = torch.where(ids == pad, (ids + 1) % vocab, ids)
     ids = ids.unsqueeze(0)  # [1, 6]
     with torch.no_grad():
-        if pooling(model) == "mean":  # the head over the model's own hidden states of the 3 completion tokens
-            expected = _score(model, trunk(model)(input_ids=ids)[0][:, 3:]).mean(-1)  # [1]
+        if pooling(model) != "last":  # the head over the model's own hidden states of the 3 completion tokens
+            per_token = _score(model, trunk(model)(input_ids=ids)[0][:, 3:])  # [1, 3]
+            expected = per_token.sum(-1) if pooling(model) == "sum" else per_token.mean(-1)  # [1]
         else:
             expected = model(input_ids=ids).logits[:, 0].float()  # [1]
         got = forward_soft_sparse(

@@ -1,19 +1,31 @@
 """Features of a frozen trunk and the logistic fit of a linear score head: the numerical core of the built-in
 reward model (:mod:`lit_rl.reward_model.train` makes the labelled pairs and saves the result).
 
-Features are the trunk's hidden state at the last token of each (prompt, completion) pair, and its mean over
-the completion for comparison; each prompt, and the prefix all prompts share (the system prompt), runs once.
+Features are the trunk's hidden states over each (prompt, completion) pair's completion tokens (and their last and
+mean, for the linear fits and the probe); each prompt, and the prefix all prompts share (the system prompt), runs
+once. The shipped head is :func:`fit_mlp_head`'s: two layers applied to every completion token, their mean the score.
 """
 
 from __future__ import annotations
 
 import copy
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from lit_rl.models import cache_kwargs, trunk
+from lit_rl.models.reward import mlp_head
+
+
+class Features(NamedTuple):
+    """What :func:`extract_features` reads of ``N`` completions (``T`` tokens in all), float32 on the CPU."""
+
+    last: torch.Tensor  # [N, H] the hidden state at each completion's last token
+    mean: torch.Tensor  # [N, H] its mean over the completion's tokens
+    tokens: torch.Tensor  # [T, H] every completion token's hidden state, completion after completion
+    owner: torch.Tensor  # [T] the completion each token belongs to
 
 
 def pad(seqs: list[list[int]], pad_id: int, *, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,13 +65,14 @@ def extract_features(
         prompts_per_batch: prompts per trunk call; rows_per_batch: completions per trunk call.
 
     Returns:
-        ``(last [N, H], mean [N, H])`` float32, completions in the order of ``groups``.
+        :class:`Features`, completions in the order of ``groups``.
     """
     body = trunk(model)
     device = next(model.parameters()).device
     n_total = sum(len(c) for _, c in groups)
     H = model.config.get_text_config().hidden_size
     last, mean = torch.zeros(n_total, H), torch.zeros(n_total, H)  # [N, H]
+    per_row: list[torch.Tensor | None] = [None] * n_total  # each completion's [C_i, H] token states
     offset = 0
     with tqdm(total=n_total, desc=desc, unit="pair", disable=None) as bar:
         for start in range(0, len(groups), prompts_per_batch):
@@ -83,15 +96,19 @@ def extract_features(
             order = sorted(range(len(rows)), key=lambda i: len(rows[i][1]))
             for b0 in range(0, len(order), rows_per_batch):
                 pick = order[b0 : b0 + rows_per_batch]
-                h_last, h_mean = _completion_features(body, cache, prompt_mask, [rows[i] for i in pick], pad_id)
+                h_last, h_mean, states = _completion_features(body, cache, prompt_mask, [rows[i] for i in pick], pad_id)
                 last[offset + torch.tensor(pick)], mean[offset + torch.tensor(pick)] = h_last, h_mean
+                for i, state in zip(pick, states, strict=True):
+                    per_row[offset + i] = state
                 bar.update(len(pick))
             offset += len(rows)
-    return last, mean
+    owner = torch.cat([torch.full((len(t),), i, dtype=torch.long) for i, t in enumerate(per_row)])  # [T]
+    return Features(last, mean, torch.cat(per_row), owner)
 
 
 def _completion_features(body, prompt_cache, prompt_mask, rows, pad_id):
-    """Last-token and mean hidden states ``[n, H]`` of right-padded completions continuing cached prompts."""
+    """Last-token and mean hidden states ``[n, H]`` of right-padded completions continuing cached prompts, and each
+    completion's token states ``[C_i, H]``."""
     device = prompt_mask.device
     cache = copy.deepcopy(prompt_cache)  # the prompt cache serves the next bucket too
     owner = torch.tensor([row for row, _ in rows], device=device)  # [n]
@@ -109,7 +126,8 @@ def _completion_features(body, prompt_cache, prompt_mask, rows, pad_id):
     lengths = cmask.sum(-1)  # [n]
     h_last = hidden[torch.arange(len(rows), device=device), lengths - 1]  # [n, H]
     h_mean = (hidden * cmask[..., None]).sum(1) / lengths[:, None]  # [n, H]
-    return h_last.cpu(), h_mean.cpu()
+    states = [hidden[i, :n].cpu() for i, n in enumerate(lengths.tolist())]
+    return h_last.cpu(), h_mean.cpu(), states
 
 
 def layer_features(model, groups, *, pad_id: int, rows_per_batch: int = 64) -> torch.Tensor:
@@ -178,3 +196,63 @@ def choose_and_fit(features, labels, prompt_of, *, l2_grid=(1e-3, 1e-2, 1e-1)):
 
     best = max(l2_grid, key=val_auc) if val.any() else l2_grid[0]
     return fit_linear_head(features, labels, l2=best), best
+
+
+def mean_scores(head: torch.nn.Module, tokens: torch.Tensor, owner: torch.Tensor, n: int) -> torch.Tensor:
+    """``[n]``: ``head`` applied to every token state ``[T, H]`` and averaged per completion (``owner [T]``)."""
+    per_token = head(tokens)[:, 0]  # [T]
+    total = per_token.new_zeros(n).index_add(0, owner, per_token)  # [n]
+    return total / torch.bincount(owner, minlength=n).clamp_min(1).to(total.dtype)
+
+
+def fit_mlp_head(
+    tokens: torch.Tensor,
+    owner: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    width: int = 32,
+    epochs: int = 150,
+    weight_decay: float = 0.1,
+    lr: float = 3e-3,
+    seed: int = 0,
+) -> torch.nn.Sequential:
+    """:func:`~lit_rl.models.reward.mlp_head` fitted so that its mean over each completion's tokens is the logit of
+    ``labels [N]``: full-batch AdamW on the logistic loss, ``epochs`` steps, from a seeded initialisation.
+
+    Args:
+        tokens: ``[T, H]`` token states (:attr:`Features.tokens`); owner: ``[T]`` each token's completion.
+    """
+    torch.manual_seed(seed)
+    head = mlp_head(tokens.shape[1], width)
+    opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=weight_decay)
+    y = labels.float()
+    for _ in range(epochs):
+        opt.zero_grad()
+        F.binary_cross_entropy_with_logits(mean_scores(head, tokens, owner, len(y)), y).backward()
+        opt.step()
+    return head.requires_grad_(False).eval()
+
+
+def choose_and_fit_mlp(features: Features, labels, prompt_of, *, widths=(32, 64), epochs=(150, 300), seed: int = 0):
+    """Pick the head's width and epochs by AUC on every fifth prompt (``prompt_of [N]``), refit on all.
+
+    Returns:
+        ``(head, {"width": ..., "epochs": ..., "validation_auc": ...})``.
+    """
+    val = prompt_of % 5 == 4  # [N]
+    index = torch.full((len(labels),), -1, dtype=torch.long)  # completion -> its row in the fit or the validation
+    index[~val], index[val] = torch.arange(int((~val).sum())), torch.arange(int(val.sum()))
+    on_val = val[features.owner]  # [T]
+    fit_part = (features.tokens[~on_val], index[features.owner[~on_val]])
+    val_part = (features.tokens[on_val], index[features.owner[on_val]])
+
+    def val_auc(width: int, steps: int) -> float:
+        head = fit_mlp_head(*fit_part, labels[~val], width=width, epochs=steps, seed=seed)
+        with torch.no_grad():
+            return agreement(mean_scores(head, *val_part, int(val.sum())), labels[val])["auc"] or 0.0
+
+    grid = [(w, e) for w in widths for e in epochs]
+    aucs = {choice: val_auc(*choice) for choice in grid} if val.any() else {grid[0]: 0.0}
+    width, steps = max(aucs, key=aucs.get)
+    head = fit_mlp_head(features.tokens, features.owner, labels, width=width, epochs=steps, seed=seed)
+    return head, {"width": width, "epochs": steps, "validation_auc": aucs[(width, steps)]}

@@ -1,11 +1,11 @@
-"""Which hidden state of the trunk a linear sentiment head reads best: the fit of :mod:`lit_rl.reward_model.train`
-repeated on every layer's features, to choose where a reward model's head should read.
+"""Which hidden state of the trunk a linear sentiment head reads best, to choose where a reward model's head reads.
 
-``lit-rl reward-model --probe-layers FILE.md`` samples the same pairs as the fit (same settings, same seeds), takes
-each hidden state of the frozen trunk averaged over the continuation (:func:`~lit_rl.reward_model.fit.layer_features`),
-fits the same logistic head on each (ridge weight chosen the same way, from a wider grid) and writes the held-out
-agreement with the labeller per layer, and for the three best layers' features side by side. The last row is the
-shipped head's reading (the last layer, after the final norm). Nothing is saved but the table and its JSON.
+``lit-rl reward-model --probe-layers FILE.md`` samples the same pairs as the fit of :mod:`lit_rl.reward_model.train`
+(same settings, same seeds), takes each hidden state of the frozen trunk averaged over the continuation
+(:func:`~lit_rl.reward_model.fit.layer_features`), fits a logistic head without bias on each (the ridge weight chosen
+by AUC on a validation fifth) and writes the held-out agreement with the labeller per layer, and for the three best
+layers' features side by side. Nothing is saved but the table and its JSON. The shipped head reads where this probe
+points (an early layer), through two layers instead of one (:func:`~lit_rl.reward_model.fit.fit_mlp_head`).
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def probe_layers(table: str | Path, **settings: Any) -> list[dict[str, Any]]:
         f"The built-in reward model's data ({len(y_train)} training continuations of {s['num_train_prompts']} "
         f"openings cut at random lengths, {len(y_held)} whole continuations of {s['num_heldout_prompts']} held-out "
         f"openings, labelled by VADER: compound >= 0.05), the trunk of `{s['base']}`. Per hidden state (0: the "
-        "embeddings' output; the last: after the final norm, what the shipped head reads), the continuation's "
+        "embeddings' output; the last: after the final norm), the continuation's "
         "mean of it and a logistic head without bias fitted on it, the ridge weight chosen by AUC on every fifth "
         "training opening. The last row: the three best layers' features side by side.",
         "",

@@ -1,14 +1,16 @@
-"""The built-in sentiment reward model: a linear score head on the frozen embedded SmolLM2 trunk, shipped with lit-rl.
+"""The built-in sentiment reward model: a small score head on the frozen embedded SmolLM2 trunk, shipped with lit-rl.
 
 GumbelTopK backpropagates a reward model's score into the policy, so its default config needs a
 differentiable reward that shares the policy's vocabulary and runs offline on a CPU. As in GumbelTopK's paper
-(cited in :mod:`lit_rl.methods.gumbel_topk`), it is the frozen base plus a small head: here a linear ``score`` head whose score is
-averaged over the continuation's tokens (``pooling: mean``; read at the last token alone, a 135M trunk's hidden
-state says little about the words before it). It is fitted on what the policy itself writes: continuations the embedded model samples
-from the training split of the review openings (:mod:`lit_rl.data.sentiment`), cut at random lengths,
-because GumbelTopK reads the score at every prefix of a completion. The labels are VADER's
-(``vader_positive``: compound >= 0.05 on the continuation alone); the features are the frozen trunk's
-hidden states averaged over each continuation (:mod:`lit_rl.reward_model.fit`); the head is a logistic fit.
+(cited in :mod:`lit_rl.methods.gumbel_topk`), it is the frozen base plus a small head. Here the head reads the
+hidden state after the trunk's second decoder layer (the trunk keeps two of its 30 layers; the layer probe,
+``lit-rl reward-model --probe-layers``, found the early layers read the labeller's lexicon best:
+``bench/results/reward_model_layers_2000.md``), applies two layers (Linear, GELU, Linear) to every token and
+averages them over the continuation (``pooling: mean``; read at the last token alone, a small trunk's hidden state
+says little about the words before it). It is fitted on what the policy itself writes: continuations the embedded
+model samples from the training split of the review openings (:mod:`lit_rl.data.sentiment`), cut at random
+lengths, because GumbelTopK reads the score at every prefix of a completion. The labels are VADER's
+(``vader_positive``: compound >= 0.05 on the continuation alone); the fit is :mod:`lit_rl.reward_model.fit`'s.
 
 The fitted head (kilobytes) ships inside the package, beside the ``reward_model.json`` that the fit
 wrote, with its agreement with the labeller on continuations of held-out openings, so a run never
@@ -34,7 +36,7 @@ from lit_rl.data.datamodule import PromptDataModule
 from lit_rl.data.sentiment import review_openings, vader_compound, vader_positive
 from lit_rl.models import EMBEDDED, TINY_PREFIX, load_tokenizer, resolve_source
 from lit_rl.reward_model import HEAD_FILE, META_FILE, SHIPPED_HEAD_DIR, shipped_head_file
-from lit_rl.reward_model.fit import agreement, choose_and_fit, extract_features, pad
+from lit_rl.reward_model.fit import agreement, choose_and_fit_mlp, extract_features, mean_scores, pad
 from lit_rl.reward_model.score import score_pairs
 
 
@@ -158,13 +160,14 @@ def train_sentiment_reward_model(
     out_dir: str | Path,
     *,
     base: str = EMBEDDED,
-    num_train_prompts: int = 800,
+    num_train_prompts: int = 2000,
     num_heldout_prompts: int = 200,
     per_prompt: int = 4,
     max_new_tokens: int = 16,
     min_tokens: int = 3,
     temperature: float = 1.0,
     seed: int = 0,
+    layers: int = 2,
 ) -> dict[str, Any]:
     """Fit the ``score`` head of a one-label classifier on ``base``'s frozen trunk; save the head with its metrics.
 
@@ -180,7 +183,8 @@ def train_sentiment_reward_model(
         max_new_tokens: length limit of the sampled continuations (the GumbelTopK config's length).
         min_tokens: training continuations are cut at random lengths down to this many tokens.
         temperature: sampling temperature.
-        seed: openings, sampling and cuts.
+        seed: openings, sampling, cuts and the head's initialisation.
+        layers: the head reads the hidden state after this many decoder layers (the trunk keeps those only).
 
     Returns:
         what ``reward_model.json`` holds: settings, held-out agreement with the labeller, seconds.
@@ -188,14 +192,14 @@ def train_sentiment_reward_model(
     from safetensors.torch import save_file
 
     from lit_rl.models import load_reward_model
-    from lit_rl.models.reward import classification_head
+    from lit_rl.models.reward import keep_layers
 
     out_dir = Path(out_dir).expanduser()
     if out_dir.exists() and any(out_dir.iterdir()) and not (out_dir / META_FILE).exists():
         raise FileExistsError(f"{out_dir} exists and holds no {META_FILE}; choose an empty or new folder")
-    if min(num_train_prompts, num_heldout_prompts, per_prompt, max_new_tokens, min_tokens) < 1:
+    if min(num_train_prompts, num_heldout_prompts, per_prompt, max_new_tokens, min_tokens, layers) < 1:
         raise ValueError(
-            "num_train_prompts, num_heldout_prompts, per_prompt, max_new_tokens and min_tokens must be >= 1"
+            "num_train_prompts, num_heldout_prompts, per_prompt, max_new_tokens, min_tokens and layers must be >= 1"
         )
     t_start = time.perf_counter()
     model, tokenizer, heldout, (groups, texts), (held_groups, held_texts) = sample_task(
@@ -204,21 +208,22 @@ def train_sentiment_reward_model(
     y_train, y_held = torch.tensor(vader_positive(texts)), torch.tensor(vader_positive(held_texts))  # [N], [N_held]
     t_sampling = time.perf_counter() - t_start
     pad_id = tokenizer.pad_token_id
-    _, mean_train = extract_features(model, groups, pad_id=pad_id, desc="features (train)")
-    _, mean_held = extract_features(model, held_groups, pad_id=pad_id, desc="features (held-out)")
+    keep_layers(model, layers)  # the head reads the hidden state after decoder layer `layers`, normed
+    train_features = extract_features(model, groups, pad_id=pad_id, desc="features (train)")
+    held_features = extract_features(model, held_groups, pad_id=pad_id, desc="features (held-out)")
     prompt_of = torch.tensor([i for i, (_, cs) in enumerate(groups) for _ in cs])  # [N]
-    weight, l2 = choose_and_fit(mean_train, y_train, prompt_of)  # [H]
-    head = classification_head(model)
-    with torch.no_grad():
-        head.weight.copy_(weight[None].to(head.weight.dtype))  # [1, H]
+    head, choice = choose_and_fit_mlp(train_features, y_train, prompt_of, seed=seed)
     held_prefixes, held_prefix_texts = cut_at_random_lengths(held_groups, tokenizer, min_tokens=min_tokens, seed=seed)
     meta: dict[str, Any] = {
         "base": base,
         "task": "reviews: continue a movie-review opening (lit_rl.data.sentiment)",
         "label": "vader_positive: VADER compound >= 0.05 on the continuation alone",
-        "head": "score: linear, no bias, averaged over the continuation's tokens (pooling: mean) of the frozen trunk; "
-        "logistic loss, LBFGS",
-        "hidden_size": int(weight.shape[0]),
+        "head": f"score: two layers (Linear, GELU, Linear) on the hidden state after decoder layer {layers} of the "
+        "frozen trunk (the rest dropped), averaged over the continuation's tokens (pooling: mean); logistic loss, "
+        "full-batch AdamW; width and steps chosen by AUC on every fifth training opening",
+        "hidden_size": int(train_features.tokens.shape[1]),
+        "layers": layers,
+        "choice": choice,
         "settings": {
             "num_train_prompts": num_train_prompts,
             "num_heldout_prompts": num_heldout_prompts,
@@ -227,8 +232,8 @@ def train_sentiment_reward_model(
             "min_tokens": min_tokens,
             "temperature": temperature,
             "seed": seed,
+            "layers": layers,
         },
-        "l2": l2,
         "train_pairs": len(y_train),
         "train_positive_rate": y_train.float().mean().item(),
     }
@@ -237,7 +242,8 @@ def train_sentiment_reward_model(
     try:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-        save_file({"score.weight": head.weight.detach().contiguous()}, tmp / HEAD_FILE, metadata={"pooling": "mean"})
+        tensors = {f"score.{name}": t.detach().contiguous() for name, t in head.state_dict().items()}
+        save_file(tensors, tmp / HEAD_FILE, metadata={"pooling": "mean", "layers": str(layers)})
         # scored by the saved head through forward_soft_sparse, as GumbelTopK will read it
         saved = load_reward_model(
             base, policy_tokenizer=tokenizer, vocab_size=len(tokenizer), head_file=str(tmp / HEAD_FILE)
@@ -246,11 +252,13 @@ def train_sentiment_reward_model(
             saved = _with_trunk_of(saved, model)
         s_held = score_soft_sparse(saved, held_groups, pad_id=pad_id)  # [N_held]
         s_prefix = score_soft_sparse(saved, held_prefixes, pad_id=pad_id)  # [N_held]
+        fitted = mean_scores(head, held_features.tokens, held_features.owner, len(s_held))  # [N_held] as fitted
+        feature_gap = (s_held - fitted).abs().max().item()
         meta["heldout"] = {
             "openings": "held-out split of lit_rl.data.sentiment (never fitted on), whole continuations",
             "agreement": agreement(s_held, y_held),
             "prefixes": agreement(s_prefix, torch.tensor(vader_positive(held_prefix_texts))),
-            "feature_path_max_abs_diff": (s_held - mean_held @ weight).abs().max().item(),
+            "feature_path_max_abs_diff": feature_gap,
             "examples": [
                 {"opening": heldout[i // per_prompt]["prompt"], "continuation": t, "vader": v, "score": round(s, 3)}
                 for i, (t, v, s) in enumerate(zip(held_texts, vader_compound(held_texts), s_held.tolist()))
@@ -268,8 +276,11 @@ def train_sentiment_reward_model(
 
 
 def _with_trunk_of(reward_model, classifier):
-    """``reward_model`` with ``classifier``'s weights (the tiny test models are drawn at random on each load)."""
-    reward_model.load_state_dict(classifier.state_dict())
+    """``reward_model`` with ``classifier``'s trunk (the tiny test models are drawn at random on each load; the head
+    is the saved one)."""
+    from lit_rl.models import trunk
+
+    trunk(reward_model).load_state_dict(trunk(classifier).state_dict())
     return reward_model
 
 
@@ -283,7 +294,8 @@ REFIT_OPTIONS = {
     "max_new_tokens": "length limit of the continuations",
     "min_tokens": "shortest random cut of a training continuation",
     "temperature": "sampling temperature",
-    "seed": "openings, sampling and cuts",
+    "seed": "openings, sampling, cuts and the head's initialisation",
+    "layers": "decoder layers the head reads after (the trunk keeps those only)",
 }
 
 
@@ -311,7 +323,11 @@ def refit(out: str | Path, **settings) -> dict:
         )
     shipped = Path(shipped_head_file())
     if base == EMBEDDED and shipped.exists() and out.resolve() != SHIPPED_HEAD_DIR.resolve():
-        diff = (load_file(out / HEAD_FILE)["score.weight"] - load_file(shipped)["score.weight"]).abs().max().item()
-        rank_zero_info(f"largest difference from the shipped head {shipped}: {diff:.3g}")
+        new, old = load_file(out / HEAD_FILE), load_file(shipped)
+        if new.keys() == old.keys() and all(new[k].shape == old[k].shape for k in new):
+            diff = max((new[k] - old[k]).abs().max().item() for k in new)
+            rank_zero_info(f"largest difference from the shipped head {shipped}: {diff:.3g}")
+        else:
+            rank_zero_info(f"the shipped head {shipped} has another shape: {sorted(old)}")
     rank_zero_info(f"wrote {out} in {meta['seconds']['total']:.0f} s (metrics in {out / META_FILE})")
     return meta
