@@ -249,7 +249,7 @@ def load_head(model, head_file: str) -> None:
         name = next(n for n in HEAD_NAMES if getattr(model, n, None) is head)
         setattr(model, name, mlp)
     else:
-        weight = tensors.get("weight", tensors.get("0.weight"))
+        weight = next((t for name, t in tensors.items() if name.split(".")[-1] == "weight"), None)
         if weight is None or weight.shape != (1, hidden) or not isinstance(head, torch.nn.Linear):
             found = "no weight" if weight is None else f"a weight of shape {tuple(weight.shape)}"
             raise ValueError(
@@ -259,7 +259,8 @@ def load_head(model, head_file: str) -> None:
         with torch.no_grad():
             head.weight.copy_(weight)
             if getattr(head, "bias", None) is not None:
-                head.bias.copy_(tensors["bias"]) if "bias" in tensors else head.bias.zero_()
+                bias = next((t for name, t in tensors.items() if name.split(".")[-1] == "bias"), None)
+                head.bias.copy_(bias) if bias is not None else head.bias.zero_()
     model.score_pooling = meta["pooling"]
 
 

@@ -1,8 +1,8 @@
-"""Features of a frozen trunk and the logistic fit of a linear score head: the numerical core of the built-in
+"""Features of a frozen trunk and the logistic fits of score heads on them: the numerical core of the built-in
 reward model (:mod:`lit_rl.reward_model.train` makes the labelled pairs and saves the result).
 
-Features are the trunk's hidden states over each (prompt, completion) pair's completion tokens (and their last and
-mean, for the linear fits and the probe); each prompt, and the prefix all prompts share (the system prompt), runs
+Features are the trunk's hidden states over each (prompt, completion) pair's completion tokens (their last and mean
+derived from them); each prompt, and the prefix all prompts share (the system prompt), runs
 once. The shipped head is :func:`fit_mlp_head`'s: two layers applied to every completion token, their mean the score.
 """
 
@@ -19,13 +19,33 @@ from lit_rl.models import cache_kwargs, trunk
 from lit_rl.models.reward import mlp_head
 
 
-class Features(NamedTuple):
-    """What :func:`extract_features` reads of ``N`` completions (``T`` tokens in all), float32 on the CPU."""
+def completion_mean(values: torch.Tensor, owner: torch.Tensor, n: int) -> torch.Tensor:
+    """``[n, ...]``: the mean of ``values [T, ...]`` over the tokens of each of ``n`` completions (``owner [T]``)."""
+    total = values.new_zeros(n, *values.shape[1:]).index_add(0, owner, values)  # [n, ...]
+    counts = torch.bincount(owner, minlength=n).clamp_min(1).to(total.dtype)  # [n]
+    return total / counts.view(n, *[1] * (values.dim() - 1))
 
-    last: torch.Tensor  # [N, H] the hidden state at each completion's last token
-    mean: torch.Tensor  # [N, H] its mean over the completion's tokens
+
+class Features(NamedTuple):
+    """What :func:`extract_features` reads of ``N`` completions (``T`` tokens in all, none empty), float32 on the CPU.
+
+    The per-completion ``last`` and ``mean`` ``[N, H]`` (the last token's hidden state, and their mean) are derived.
+    """
+
     tokens: torch.Tensor  # [T, H] every completion token's hidden state, completion after completion
-    owner: torch.Tensor  # [T] the completion each token belongs to
+    owner: torch.Tensor  # [T] the completion each token belongs to, ascending
+
+    @property
+    def count(self) -> int:
+        return int(self.owner[-1]) + 1 if len(self.owner) else 0
+
+    @property
+    def last(self) -> torch.Tensor:
+        return self.tokens[torch.bincount(self.owner, minlength=self.count).cumsum(0) - 1]  # [N, H]
+
+    @property
+    def mean(self) -> torch.Tensor:
+        return completion_mean(self.tokens, self.owner, self.count)  # [N, H]
 
 
 def pad(seqs: list[list[int]], pad_id: int, *, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,7 +71,7 @@ def _common_prefix(seqs: list[list[int]]) -> int:
 def extract_features(
     model, groups, *, pad_id: int, prompts_per_batch: int = 16, rows_per_batch: int = 64, desc: str = "features"
 ):
-    """The trunk's last-token hidden state and the mean over the completion's tokens, per completion.
+    """The trunk's hidden state at every completion token (and so its last token's and their mean), per completion.
 
     Work is shared where the result cannot change: the prompts' common prefix (the chat template's
     system turn) runs once per batch, each prompt once, and its KV cache is then reused by its
@@ -70,8 +90,6 @@ def extract_features(
     body = trunk(model)
     device = next(model.parameters()).device
     n_total = sum(len(c) for _, c in groups)
-    H = model.config.get_text_config().hidden_size
-    last, mean = torch.zeros(n_total, H), torch.zeros(n_total, H)  # [N, H]
     per_row: list[torch.Tensor | None] = [None] * n_total  # each completion's [C_i, H] token states
     offset = 0
     with tqdm(total=n_total, desc=desc, unit="pair", disable=None) as bar:
@@ -96,19 +114,17 @@ def extract_features(
             order = sorted(range(len(rows)), key=lambda i: len(rows[i][1]))
             for b0 in range(0, len(order), rows_per_batch):
                 pick = order[b0 : b0 + rows_per_batch]
-                h_last, h_mean, states = _completion_features(body, cache, prompt_mask, [rows[i] for i in pick], pad_id)
-                last[offset + torch.tensor(pick)], mean[offset + torch.tensor(pick)] = h_last, h_mean
+                states = _completion_features(body, cache, prompt_mask, [rows[i] for i in pick], pad_id)
                 for i, state in zip(pick, states, strict=True):
                     per_row[offset + i] = state
                 bar.update(len(pick))
             offset += len(rows)
     owner = torch.cat([torch.full((len(t),), i, dtype=torch.long) for i, t in enumerate(per_row)])  # [T]
-    return Features(last, mean, torch.cat(per_row), owner)
+    return Features(torch.cat(per_row), owner)
 
 
 def _completion_features(body, prompt_cache, prompt_mask, rows, pad_id):
-    """Last-token and mean hidden states ``[n, H]`` of right-padded completions continuing cached prompts, and each
-    completion's token states ``[C_i, H]``."""
+    """Each completion's token states ``[C_i, H]``, for right-padded completions continuing cached prompts."""
     device = prompt_mask.device
     cache = copy.deepcopy(prompt_cache)  # the prompt cache serves the next bucket too
     owner = torch.tensor([row for row, _ in rows], device=device)  # [n]
@@ -123,11 +139,7 @@ def _completion_features(body, prompt_cache, prompt_mask, rows, pad_id):
         **cache_kwargs(body, cache),
         use_cache=True,
     )[0].float()  # [n, C, H]
-    lengths = cmask.sum(-1)  # [n]
-    h_last = hidden[torch.arange(len(rows), device=device), lengths - 1]  # [n, H]
-    h_mean = (hidden * cmask[..., None]).sum(1) / lengths[:, None]  # [n, H]
-    states = [hidden[i, :n].cpu() for i, n in enumerate(lengths.tolist())]
-    return h_last.cpu(), h_mean.cpu(), states
+    return [hidden[i, :n].cpu() for i, n in enumerate(cmask.sum(-1).tolist())]
 
 
 def layer_features(model, groups, *, pad_id: int, rows_per_batch: int = 64) -> torch.Tensor:
@@ -200,9 +212,7 @@ def choose_and_fit(features, labels, prompt_of, *, l2_grid=(1e-3, 1e-2, 1e-1)):
 
 def mean_scores(head: torch.nn.Module, tokens: torch.Tensor, owner: torch.Tensor, n: int) -> torch.Tensor:
     """``[n]``: ``head`` applied to every token state ``[T, H]`` and averaged per completion (``owner [T]``)."""
-    per_token = head(tokens)[:, 0]  # [T]
-    total = per_token.new_zeros(n).index_add(0, owner, per_token)  # [n]
-    return total / torch.bincount(owner, minlength=n).clamp_min(1).to(total.dtype)
+    return completion_mean(head(tokens)[:, 0], owner, n)
 
 
 def fit_mlp_head(
