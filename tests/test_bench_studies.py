@@ -137,6 +137,13 @@ def _bf16_cpu(column: dict[str, tuple[str, ...]], arms: list[str], text: str) ->
     assert all(w.endswith("%") for w in column["weights moved"]) and all(float(s) > 0 for s in column["CPU s"])
 
 
+def _rollout_samplers(column: dict[str, tuple[str, ...]], arms: list[str], text: str) -> None:
+    """Every sampler's rollout has seconds, tokens per second and a share of its floor."""
+    assert all(float(s) > 0 for s in column["rollout s"]) and all(float(t) > 0 for t in column["tokens/s"]), column
+    assert all(share.endswith("%") for share in column["rollout floor / measured"]), column
+    assert "rollout_samplers.json" in text
+
+
 CHECKS = {  # a study's own assertions on its quick table (by column) and results file
     "checkpointing": _checkpointing,
     "roofline": _roofline,
@@ -146,6 +153,7 @@ CHECKS = {  # a study's own assertions on its quick table (by column) and result
     "shared_prompt": _shared_prompt,
     "allocator": _allocator,
     "bf16_cpu": _bf16_cpu,
+    "rollout_samplers": _rollout_samplers,
 }
 
 

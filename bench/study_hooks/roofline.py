@@ -4,7 +4,7 @@
 MemoryProfiler reads (``rates:``), so a run's floors are at the rates measured just before it. Each run's
 ``memory_summary.json`` holds its roofline (:mod:`lit_rl.memory.roofline`, ``PhaseRoofline.report``): per phase the
 median time, FLOPs, bytes, the floors and the share achieved. ``after`` writes the rates table, a phase table per
-run and ``roofline.json`` (every run's roofline section, with the provenance of the runs).
+run and ``<results file>.json`` (every run's roofline section, with the provenance of the runs).
 """
 
 from __future__ import annotations
@@ -20,10 +20,11 @@ RATES = "machine_rates.json"
 
 
 def before(study: dict, results: Path) -> None:
-    """``lit-rl rates`` into ``<results>/machine_rates.json`` (quick rates in quick mode)."""
+    """``lit-rl rates`` into ``<results>/machine_rates.json`` (or the study's ``rates_file``; quick rates in quick
+    mode)."""
     runtime = study["runtime"]
     quick = [str(x) for x in study.get("quick", {}).get("rates", [])] if runtime.quick else []
-    cmd = [sys.executable, "-m", "lit_rl", "rates", "--out", str(results / RATES), *quick]
+    cmd = [sys.executable, "-m", "lit_rl", "rates", "--out", str(results / study.get("rates_file", RATES)), *quick]
     print(f"+ {shlex.join(cmd)}", file=sys.stderr, flush=True)
     results.mkdir(parents=True, exist_ok=True)
     harness.run_measured(cmd, None, harness.thread_env(runtime.threads))
@@ -73,7 +74,43 @@ def worst(arm) -> str:
     return f"{phase} ({gaps[phase]:.2f} s of {sum(g for g in gaps.values() if g > 0):.2f} s)"
 
 
-cells = {f.__name__: f for f in (measured, floor, achieved, attainable, worst)}
+def _rollout(arm) -> dict | None:
+    roof = _roofline(arm)
+    entry = roof.get("phases", {}).get("rollout")
+    return entry if entry and "floor_s" in entry else None
+
+
+def rollout_s(arm) -> str:
+    entry = _rollout(arm)
+    return "—" if entry is None else f"{entry['measured_s']:.2f}"
+
+
+def rollout_floor(arm) -> str:
+    """The rollout's floor / measured: the share of this machine's rates its decode reached."""
+    entry = _rollout(arm)
+    return "—" if entry is None else f"{100 * entry['achieved']:.1f}%"
+
+
+def rollout_tokens_per_s(arm) -> str:
+    """Completion tokens per rollout second: rows x the rollout's width (every row runs to it, as the floor
+    counts) over the median rollout time; for an arm marked ``natural: true`` (completions end on their own) the
+    tokens produced, rows x the median logged mean length, over it."""
+    entry, s = _rollout(arm), _roofline(arm).get("settings")
+    if entry is None:
+        return "—"
+    rows = s["prompts"] * s["generations"]
+    if arm.spec.get("natural"):
+        lengths = sorted(arm.values("completions/mean_length"))
+        tokens = rows * lengths[len(lengths) // 2]
+    else:
+        tokens = rows * sorted(s["new_tokens"])[len(s["new_tokens"]) // 2]  # the median step's width
+    return f"{tokens / entry['measured_s']:.1f}"
+
+
+cells = {
+    f.__name__: f
+    for f in (measured, floor, achieved, attainable, worst, rollout_s, rollout_floor, rollout_tokens_per_s)
+}
 
 
 def _si(x: float, unit: str) -> str:
@@ -155,7 +192,7 @@ def _run_lines(arm) -> list[str]:
 
 def after(study: dict, arms: list, results: Path) -> list[str]:
     """The rates table, a phase table per run, and ``roofline.json`` beside the results file."""
-    path = results / RATES
+    path = results / study.get("rates_file", RATES)
     rates = json.loads(path.read_text())
     lines = ["", *_rates_lines(rates, harness.relative(path)), ""]
     for arm in arms:
@@ -166,5 +203,6 @@ def after(study: dict, arms: list, results: Path) -> list[str]:
         "machine": harness.machine(study["runtime"].threads),
         "runs": {arm.name: {"roofline": _roofline(arm), "command": _command(arm), **arm.record} for arm in arms},
     }
-    (results / "roofline.json").write_text(json.dumps(saved, indent=2) + "\n")
-    return [*lines, "Every run's roofline section: [`roofline.json`](roofline.json)."]
+    name = Path(study["results"]).with_suffix(".json").name  # roofline.md: roofline.json
+    (results / name).write_text(json.dumps(saved, indent=2) + "\n")
+    return [*lines, f"Every run's roofline section: [`{name}`]({name})."]

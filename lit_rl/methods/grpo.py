@@ -19,7 +19,6 @@ masking; see :mod:`lit_rl.losses` and the table in ``docs/methods.md``). How it 
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import asdict, replace
 from typing import Any, ClassVar, Literal
 
@@ -45,7 +44,7 @@ from lit_rl.methods.base import RLMethod
 from lit_rl.methods.evaluation import distinct_bigrams
 from lit_rl.methods.rollout_batch import Rollout
 from lit_rl.methods.token_budget import row_tokens
-from lit_rl.models import head_spec, sample_completions, trunk_hidden
+from lit_rl.models import head_spec, rollout_sampler, sample_completions, trunk_hidden
 from lit_rl.models.shared_prompt import group_runs, shared_prompt_hidden, shared_prompt_unsupported
 from lit_rl.ops import TokenStats, token_stats
 from lit_rl.ops.token_math import LOGITS_BUDGET_BYTES, plan_chunks
@@ -94,6 +93,12 @@ class RefCachedGRPO(RLMethod):
             layers held through the rollout, which the estimator charges). Faster where bf16 matmuls are, and the
             sampler is then not the trainer: the gap is logged as ``rollout/sampler_*``, and
             ``loss.importance_sampling_correction`` corrects for it. No effect on bf16 weights.
+        rollout_lora: ``adapters``: LoRA layers run their adapters in the rollout; ``merged``: the rollout reads
+            merged weights, one matmul per layer (:mod:`lit_rl.models.merged_lora`: a copy held through the
+            rollout, charged by the estimator; not exact, the gap is logged as for ``rollout_dtype``).
+        rollout_draw: ``generate``: the decode loop draws ``generate``'s tokens for the same random state, every
+            row to the longest; ``fast``: the same distribution with less work (rows that ended leave the batch,
+            one uniform number per token instead of one per vocabulary entry: :func:`lit_rl.models.decode.decode`).
         **kwargs: model, optimizer, micro-batch and metric settings, see :class:`~lit_rl.methods.base.RLMethod`.
 
     Raises:
@@ -124,6 +129,8 @@ class RefCachedGRPO(RLMethod):
         chunk_size: int | None = None,
         share_prompt: bool = True,
         rollout_dtype: Literal["same", "bfloat16"] = "same",
+        rollout_lora: Literal["adapters", "merged"] = "adapters",
+        rollout_draw: Literal["generate", "fast"] = "generate",
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -200,8 +207,10 @@ class RefCachedGRPO(RLMethod):
             raise ValueError(f"model.top_p: must be in (0, 1], got {hp.top_p}; use 1.0 to sample the full distribution")
         if hp.temperature <= 0:
             raise ValueError(f"model.temperature: must be > 0, got {hp.temperature}; use 1.0 for plain sampling")
-        if hp.rollout_dtype not in ("same", "bfloat16"):
-            raise ValueError(f"model.rollout_dtype: {hp.rollout_dtype!r} is not same or bfloat16; use one of them")
+        for name, choices in (("rollout_dtype", "same bfloat16"), ("rollout_lora", "adapters merged"),
+                              ("rollout_draw", "generate fast")):  # fmt: skip
+            if hp[name] not in choices.split():
+                raise ValueError(f"model.{name}: {hp[name]!r} is not {' or '.join(choices.split())}; use one of them")
 
     # ------------------------------------------------------------------ rollout
     @torch.no_grad()
@@ -215,15 +224,12 @@ class RefCachedGRPO(RLMethod):
         """
         hp = self.hparams
         eos = self.eos_ids()
-        sampler = contextlib.nullcontext()
-        if hp.rollout_dtype == "bfloat16" and next(self.policy.parameters()).dtype == torch.float32:
-            sampler = torch.autocast(self.device.type, dtype=torch.bfloat16, cache_enabled=False)
-        with sampler:
+        with rollout_sampler(self.policy, dtype=hp.rollout_dtype, lora=hp.rollout_lora):
             sequences, sampler_logp = sample_completions(
                 self.policy, input_ids, attention_mask, self.tokenizer.pad_token_id, eos,
                 repeats=hp.num_generations, share_prompt=self.share_prompt, own_decode=self.own_decode,
-                do_sample=True, temperature=hp.temperature, top_p=hp.top_p, top_k=0,
-                max_new_tokens=hp.max_new_tokens, min_new_tokens=hp.min_new_tokens, return_logprobs=True,
+                fast_draw=hp.rollout_draw == "fast", do_sample=True, temperature=hp.temperature, top_p=hp.top_p,
+                top_k=0, max_new_tokens=hp.max_new_tokens, min_new_tokens=hp.min_new_tokens, return_logprobs=True,
             )  # [B*G, P + C], [B*G, C]  # fmt: skip
         completion = sequences[:, input_ids.shape[1] :]  # [B*G, C]
         is_eos = torch.isin(completion, torch.tensor(eos, device=completion.device))  # [B*G, C]

@@ -49,7 +49,7 @@ from lit_rl.models.reward import (
     score_every_prefix,
     soft_embeddings,
 )
-from lit_rl.models.sampling import sample_completions
+from lit_rl.models.sampling import rollout_sampler, sample_completions
 from lit_rl.models.shapes import BUILTIN_SHAPES, SHAPE_PREFIX, shape_config
 from lit_rl.models.tiny import tiny_config, tiny_tokenizer
 
@@ -92,6 +92,7 @@ __all__ = [
     "quantize_base_nf4",
     "resolve_dtype",
     "resolve_source",
+    "rollout_sampler",
     "sample_completions",
     "shape_config",
     "score_every_prefix",

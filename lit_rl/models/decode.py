@@ -53,6 +53,7 @@ __all__ = [
     "PreallocatedLayer",
     "decode",
     "decode_unsupported",
+    "inverse_cdf_draw",
     "min_new_tokens_filter",
     "preallocate",
     "top_k_filter",
@@ -107,6 +108,12 @@ class PreallocatedLayer(DynamicLayer):
 
     def reset(self) -> None:
         self._view(0)
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Keep only the batch rows ``rows [A]`` (indices), in new buffers: the ended rows' memory is freed."""
+        self._keys = self._keys.index_select(0, rows)  # [A, Hkv, capacity, D]
+        self._values = self._values.index_select(0, rows)
+        self._view(self.length)
 
 
 def _plain_layers(cache) -> bool:
@@ -232,6 +239,8 @@ def decode(
     cache=None,
     step=None,
     return_logprobs: bool = False,
+    drop_ended: bool = False,
+    draw: str = "multinomial",
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Complete ``input_ids [B, P]`` (left-padded, ``attention_mask [B, P]``): ``[B, P + C]`` as ``generate`` returns.
 
@@ -245,8 +254,23 @@ def decode(
 
     ``return_logprobs``: also return the sampler's log-prob of each new token, ``[B, C]`` float32: its logit under
     ``temperature`` minus the log-sum-exp of all of them, before ``min_new_tokens``, top-k and top-p (the quantity
-    the trainer recomputes; :mod:`lit_rl.losses.sampler` compares the two). Rows that ended hold the pad token's.
+    the trainer recomputes; :mod:`lit_rl.losses.sampler` compares the two). Rows that ended hold the log-prob of
+    the token drawn for them before it was replaced by the pad (0 with ``drop_ended``).
+
+    ``drop_ended``: rows that ended leave the batch (their cache rows, mask and positions are dropped) and the
+    forward runs on the others only, so finished completions cost nothing. The draw stays full-size: the rows
+    still decoding are scattered into a ``[B, V]`` table (uniform in the ended rows) before ``torch.multinomial``,
+    which draws each row from its own slice of the noise, so the tokens are the ones the full batch would draw as
+    long as the forward gives a row the same logits in a smaller batch (batch invariance; on this CPU it does in
+    the tests, a GPU's kernels may pick another reduction order per batch size). No effect with ``step``
+    (static shapes) or on fake tensors (an estimate charges the full batch).
+
+    ``draw``: ``multinomial`` (``generate``'s draw: its tokens for the same random state) or ``inverse_cdf``
+    (:func:`inverse_cdf_draw`: the same distribution from one uniform number per row, other tokens than
+    ``generate``'s for a seed, and with ``drop_ended`` no full-size table).
     """
+    if draw not in ("multinomial", "inverse_cdf"):
+        raise ValueError(f"draw: {draw!r} is not multinomial or inverse_cdf; use one of them")
     b, p = input_ids.shape
     total = p + max_new_tokens
     device = input_ids.device
@@ -261,28 +285,30 @@ def decode(
         cache = DynamicCache(config=base_model(model).config)
     cached = cache.get_seq_length()
     cache_key = cache_keyword(model)  # read once, not at every token
-    unfinished = torch.ones(b, dtype=torch.long, device=device)  # [B]
+    unfinished = torch.ones(b, dtype=torch.long, device=device)  # [B], then [A] once rows are dropped
     logprobs = torch.zeros(b, max_new_tokens, dtype=torch.float32, device=device) if return_logprobs else None
+    rows = None  # with drop_ended, once a row has ended: the rows still decoding, as batch indices [A]
     length = p
     # under mixed precision each weight is cast once for the rollout, not at every token (the same numbers)
     with linear_weights_cast_once(model) if step is None else contextlib.nullcontext():
         for produced in range(max_new_tokens):
+            fed = sequences[:, cached:length] if rows is None else sequences[rows, cached:length]  # [A, new]
             if produced and step is not None:
-                logits = step(sequences[:, cached:length], positions[:, cached:length])  # [B, V]
+                logits = step(fed, positions[:, cached:length])  # [B, V]
             else:
                 logits = model(
-                    input_ids=sequences[:, cached:length],
+                    input_ids=fed,
                     attention_mask=mask[:, :length] if keep_mask else None,
                     position_ids=positions[:, cached:length],
                     **{cache_key: cache},
                     use_cache=True,
                     logits_to_keep=1,
                     return_dict=True,
-                ).logits[:, -1]  # [B, V]
+                ).logits[:, -1]  # [A, V]
                 if produced == 0 and (step is None or not step.start(cache, mask)):
                     step = None
                     preallocate(cache, total - 1)  # after the prefill; the last token is never fed back
-            scores = logits.to(copy=True, dtype=torch.float32)  # [B, V]
+            scores = logits.to(copy=True, dtype=torch.float32)  # [A, V]
             del logits
             if logprobs is not None:  # the normaliser of the tempered distribution, before any filter
                 lse = torch.logsumexp(scores / temperature if do_sample and temperature != 1.0 else scores, dim=-1)
@@ -295,20 +321,56 @@ def decode(
                     scores = top_k_filter(scores, top_k)
                 if top_p < 1.0:
                     scores = top_p_filter(scores, top_p)
-                tokens = torch.multinomial(scores.softmax(dim=-1), num_samples=1).squeeze(1)  # [B]
+                tokens = _draw(scores.softmax(dim=-1), rows, b, draw)  # [A]
             else:
-                tokens = scores.argmax(dim=-1)  # [B]
+                tokens = scores.argmax(dim=-1)  # [A]
             if logprobs is not None:  # filters only ever set tokens other than the sampled one to -inf
-                logprobs[:, produced] = scores.gather(1, tokens[:, None]).squeeze(1) - lse
+                picked = scores.gather(1, tokens[:, None]).squeeze(1) - lse  # [A]
+                if rows is None:
+                    logprobs[:, produced] = picked
+                else:
+                    logprobs[rows, produced] = picked
             tokens = tokens * unfinished + pad_id * (1 - unfinished)
-            sequences[:, length] = tokens
+            if rows is None:
+                sequences[:, length] = tokens
+            else:
+                sequences[rows, length] = tokens
             cached, length = length, length + 1
             unfinished = unfinished & ~torch.isin(tokens, eos_ids)
             if _all_ended(unfinished):
                 break
+            if drop_ended and step is None and not isinstance(unfinished, FakeTensor) and not bool(unfinished.all()):
+                keep = unfinished.nonzero().squeeze(1)  # [A'] positions among the rows still decoding
+                rows = keep if rows is None else rows[keep]
+                for layer in cache.layers:
+                    layer.keep_rows(keep)
+                mask, positions, unfinished = mask[keep], positions[keep], unfinished[keep]
     if logprobs is not None:
         return sequences[:, :length], logprobs[:, : length - p]
     return sequences[:, :length]
+
+
+def inverse_cdf_draw(probs: torch.Tensor) -> torch.Tensor:
+    """One token per row of ``probs [A, V]`` from one uniform number per row: the first token whose cumulative
+    probability exceeds it. The same distribution as ``torch.multinomial``, which draws an exponential number per
+    token and row (``V`` times the noise: on a CPU at ``V`` = 49,152 about 0.7 ms per row)."""
+    cumulative = probs.cumsum(dim=-1)  # [A, V]
+    total = cumulative[:, -1:]  # [A, 1] 1 up to rounding
+    u = torch.rand_like(total) * total  # [A, 1]
+    u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))  # strictly below the total
+    return torch.searchsorted(cumulative, u, right=True).squeeze(1)  # [A] never a token of probability 0
+
+
+def _draw(probs: torch.Tensor, rows: torch.Tensor | None, batch: int, draw: str) -> torch.Tensor:
+    """One token per row of ``probs [A, V]``. ``multinomial`` with ``rows``: drawn from a full ``[batch, V]`` table
+    (uniform elsewhere) so that each row meets the noise it would meet in the full batch."""
+    if draw == "inverse_cdf":
+        return inverse_cdf_draw(probs)
+    if rows is None:
+        return torch.multinomial(probs, num_samples=1).squeeze(1)  # [B]
+    full = probs.new_full((batch, probs.shape[1]), 1.0 / probs.shape[1])  # [B, V]
+    full[rows] = probs
+    return torch.multinomial(full, num_samples=1).squeeze(1)[rows]  # [A]
 
 
 def decode_unsupported(model, step=None) -> str | None:

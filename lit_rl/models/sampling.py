@@ -8,6 +8,8 @@ the model passed at load time (:mod:`lit_rl.models.decode`, :mod:`lit_rl.models.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -17,6 +19,7 @@ from transformers import GenerationConfig
 from lit_rl.models.cache_keyword import cache_kwargs
 from lit_rl.models.compiled_decode import compiled_decode
 from lit_rl.models.decode import decode, sampling_settings, weights_are_real
+from lit_rl.models.merged_lora import lora_merged
 from lit_rl.models.shared_prompt import shared_prefill
 
 
@@ -32,6 +35,7 @@ def sample_completions(
     share_prompt: bool = False,
     own_decode: bool | str = False,
     return_logprobs: bool = False,
+    fast_draw: bool = False,
     **config: Any,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
     """Complete each prompt ``repeats`` times in eval mode with a fresh ``GenerationConfig(**config)``:
@@ -49,6 +53,10 @@ def sample_completions(
     ``return_logprobs``: ``(sequences, sampler log-probs [B * repeats, C] or None)``: the decode loops record them
     (:func:`lit_rl.models.decode.decode`); ``generate`` does not (``None``), except on fake tensors, where zeros of
     that shape stand in so an estimate charges the bytes the loop would hold.
+
+    ``fast_draw``: the own loop drops rows as they end and draws each token from one uniform number
+    (:func:`lit_rl.models.decode.decode`'s ``drop_ended`` and ``draw="inverse_cdf"``): the same distribution,
+    not ``generate``'s tokens for a seed. No effect on the compiled step or ``generate``.
     """
     config = GenerationConfig(pad_token_id=pad_id, eos_token_id=eos, use_cache=True, **config)
     settings = None
@@ -65,10 +73,15 @@ def sample_completions(
         input_ids = input_ids.repeat_interleave(repeats, dim=0)  # [B * repeats, P]
         attention_mask = attention_mask.repeat_interleave(repeats, dim=0)
         if settings is not None:
-            run = compiled_decode if own_decode == "compiled" else decode
-            return run(
+            if own_decode == "compiled":
+                return compiled_decode(
+                    policy, input_ids, attention_mask, eos=eos, pad_id=pad_id, cache=cache,
+                    return_logprobs=return_logprobs, **settings,
+                )  # fmt: skip
+            fast = dict(drop_ended=True, draw="inverse_cdf") if fast_draw else {}
+            return decode(
                 policy, input_ids, attention_mask, eos=eos, pad_id=pad_id, cache=cache,
-                return_logprobs=return_logprobs, **settings,
+                return_logprobs=return_logprobs, **settings, **fast,
             )  # fmt: skip
         sequences = policy.generate(
             input_ids=input_ids, attention_mask=attention_mask, generation_config=config, **cache_kwargs(policy, cache)
@@ -80,6 +93,30 @@ def sample_completions(
         return sequences, sequences.new_zeros((sequences.shape[0], width), dtype=torch.float32) if standing_in else None
     finally:
         policy.train(was_training)
+
+
+@contextlib.contextmanager
+def rollout_sampler(policy, *, dtype: str = "same", lora: str = "adapters") -> Iterator[None]:
+    """The model a rollout samples with, as one context around :func:`sample_completions`.
+
+    ``dtype="bfloat16"`` with float32 weights: the matmuls run under bf16 autocast (its cast cache off; the decode
+    loop casts each weight once, :mod:`lit_rl.models.cast_once`). ``lora="merged"``: LoRA layers read merged
+    weights (:func:`lit_rl.models.merged_lora.lora_merged`); a model whose LoRA layers cannot merge says so once.
+    """
+    with contextlib.ExitStack() as stack:
+        weight = next(policy.parameters())
+        if dtype == "bfloat16" and weight.dtype == torch.float32:
+            stack.enter_context(torch.autocast(weight.device.type, dtype=torch.bfloat16, cache_enabled=False))
+        if lora == "merged":
+            merged, left = stack.enter_context(lora_merged(policy))
+            if left:
+                _say_once(
+                    f"model.rollout_lora: merged: {left} of {merged + left} LoRA layers run their adapters in the "
+                    "rollout (a quantized base, a LoRA variant or an adapter bias has no merged weight here)"
+                )
+            elif not merged:
+                _say_once("model.rollout_lora: merged has no effect: the policy has no LoRA layers")
+        yield
 
 
 _said: set[str] = set()
