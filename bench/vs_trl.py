@@ -56,6 +56,7 @@ class Setup:
     lora: bool
     checkpointing: bool
     bf16: bool = False  # bf16 mixed precision on both sides, else float32
+    sampler: tuple[str, ...] = ()  # lit-rl's rollout settings (model.rollout_*), its exact decode loop when empty
 
     def lit_rl_args(self) -> list[str]:
         args = ["--config", "bench/grpo_vs_trl.yaml"]
@@ -71,6 +72,9 @@ class Setup:
             args += ["--model.init_args.lora.r", "16"]
         if self.bf16:
             args += ["--trainer.precision", "bf16-mixed"]
+        for setting in self.sampler:  # "rollout_draw=fast"
+            name, value = setting.split("=")
+            args += [f"--model.init_args.{name}", value]
         return args
 
     def trl_args(self) -> list[str]:
@@ -85,6 +89,11 @@ SETUPS = (
     Setup("full FT, 64 tokens, checkpointed, bf16", 64, lora=False, checkpointing=True, bf16=True),
     Setup("LoRA, 256 tokens, checkpointed, bf16", 256, lora=True, checkpointing=True, bf16=True),
     Setup("LoRA, 256 tokens, no checkpointing, bf16", 256, lora=True, checkpointing=False, bf16=True),
+    # lit-rl's fastest samplers on this CPU (bench/results/rollout_samplers.md), TRL's float32 generate beside them
+    Setup("full FT, 64 tokens, checkpointed, lit-rl fast bf16 sampler", 64, lora=False, checkpointing=True,
+          sampler=("rollout_draw=fast", "rollout_dtype=bfloat16")),
+    Setup("LoRA, 256 tokens, checkpointed, lit-rl merged fast bf16 sampler", 256, lora=True, checkpointing=True,
+          sampler=("rollout_lora=merged", "rollout_draw=fast", "rollout_dtype=bfloat16")),
 )
 QUICK_SETUPS = (Setup("LoRA, 8 tokens, checkpointed", 8, lora=True, checkpointing=True),)
 

@@ -85,6 +85,28 @@ def test_bf16_rows_set_the_same_precision_on_both_sides():
         assert ("--trainer.precision" in lit) == s.bf16  # float32 rows keep the config's 32-true
 
 
+def test_sampler_rows_pass_settings_the_method_accepts():
+    """A row with lit-rl's faster sampler sets model.rollout_* to values RefCachedGRPO's signature allows; TRL's side
+    is the row without it."""
+    import inspect
+    import typing
+
+    from lit_rl.methods import RefCachedGRPO
+
+    params = inspect.signature(RefCachedGRPO.__init__).parameters
+    rows = [s for s in vs_trl.SETUPS if s.sampler]
+    assert rows
+    for s in rows:
+        lit = s.lit_rl_args()
+        for setting in s.sampler:
+            name, value = setting.split("=")
+            assert value in typing.get_args(typing.get_type_hints(RefCachedGRPO.__init__)[name]), setting
+            assert name in params and lit[lit.index(f"--model.init_args.{name}") + 1] == value
+        plain = next(p for p in vs_trl.SETUPS if not p.sampler and (p.length, p.lora, p.checkpointing, p.bf16)
+                     == (s.length, s.lora, s.checkpointing, s.bf16))  # fmt: skip
+        assert s.trl_args() == plain.trl_args()
+
+
 def test_the_roofline_floor_divides_both_sides(tmp_path):
     setup = vs_trl.SETUPS[0]
     c = vs_trl.Comparison(setup)

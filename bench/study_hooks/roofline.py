@@ -92,24 +92,32 @@ def rollout_floor(arm) -> str:
 
 
 def rollout_tokens_per_s(arm) -> str:
-    """Completion tokens per rollout second: rows x the rollout's width (every row runs to it, as the floor
-    counts) over the median rollout time; for an arm marked ``natural: true`` (completions end on their own) the
-    tokens produced, rows x the median logged mean length, over it."""
-    entry, s = _rollout(arm), _roofline(arm).get("settings")
-    if entry is None:
+    """Rows x the step's width (its longest completion) over its rollout seconds, the median over the steps after
+    the first: the positions a loop running every row to the width computes per second. Rows that end early are
+    counted to the width, so a sampler that drops them shows it as speed."""
+    roof = _roofline(arm)
+    if _rollout(arm) is None:
         return "—"
-    rows = s["prompts"] * s["generations"]
-    if arm.spec.get("natural"):
-        lengths = sorted(arm.values("completions/mean_length"))
-        tokens = rows * lengths[len(lengths) // 2]
-    else:
-        tokens = rows * sorted(s["new_tokens"])[len(s["new_tokens"]) // 2]  # the median step's width
-    return f"{tokens / entry['measured_s']:.1f}"
+    first = roof["steps"][0]
+    rates = sorted(
+        s["settings"]["prompts"] * s["settings"]["generations"] * s["settings"]["new_tokens"] / s["times"]["rollout"]
+        for s in roof["per_step"]
+        if s["step"] >= first and s["times"].get("rollout")
+    )
+    return f"{rates[len(rates) // 2]:.1f}" if rates else "—"
+
+
+def widths(arm) -> str:
+    """The rollout's width (its longest completion) at each step after the first."""
+    roof = _roofline(arm)
+    first = roof.get("steps", [0])[0]
+    shown = [str(s["settings"]["new_tokens"]) for s in roof.get("per_step", []) if s["step"] >= first]
+    return ", ".join(shown) or "—"
 
 
 cells = {
     f.__name__: f
-    for f in (measured, floor, achieved, attainable, worst, rollout_s, rollout_floor, rollout_tokens_per_s)
+    for f in (measured, floor, achieved, attainable, worst, rollout_s, rollout_floor, rollout_tokens_per_s, widths)
 }
 
 

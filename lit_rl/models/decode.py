@@ -23,6 +23,9 @@ How :func:`decode` differs, and what it keeps:
   ``min_new_tokens`` are out, temperature, top-k, top-p, then ``torch.multinomial`` on the softmax (greedy:
   ``argmax``). Rows that ended get the pad token; the loop exits when every row has ended. With the same random
   state the sampled tokens are the ones ``generate`` draws.
+- **Less work, the same distribution** (``model.rollout_draw: fast``): rows that ended can leave the batch
+  (``drop_ended``), and each token can come from one uniform number per row (``draw="inverse_cdf"``,
+  :func:`inverse_cdf_draw`) instead of ``torch.multinomial``'s exponential number per vocabulary entry.
 - **Under mixed precision** (an autocast with its cast cache off, as Lightning runs one) each ``nn.Linear``
   weight is cast once for the whole loop instead of at every token (:mod:`lit_rl.models.cast_once`): the same
   logits, for the casts' memory held through the rollout.
