@@ -219,3 +219,14 @@ def test_sample_completions_fast_draw_completes_every_prompt():
     )  # fmt: skip
     assert seqs.shape[0] == 6 and logp.shape == (6, seqs.shape[1] - ids.shape[1])
     assert torch.equal(seqs[:, : ids.shape[1]], ids.repeat_interleave(3, 0))
+
+
+def test_importing_lit_rl_leaves_peft_unimported():
+    """peft imports bitsandbytes, which logs a notice at import time; the CLI filters it only once it has started, so
+    the package (the merged sampler included) imports peft when it is used, not when lit_rl loads."""
+    import subprocess
+    import sys
+
+    code = "import sys, lit_rl.cli, lit_rl.methods, lit_rl.models; print('peft' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "False", done.stderr[-2000:]

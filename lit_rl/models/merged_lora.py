@@ -27,13 +27,12 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
-from peft.tuners.lora.layer import Linear as LoraLinear
 
 __all__ = ["lora_merged"]
 
 
 def _mergeable(module: torch.nn.Module) -> bool:
-    if not isinstance(module, LoraLinear) or module.disable_adapters or module.merged:
+    if module.disable_adapters or module.merged:
         return False
     if type(module.base_layer) is not torch.nn.Linear or not module.base_layer.weight.dtype.is_floating_point:
         return False
@@ -48,6 +47,9 @@ def lora_merged(model: torch.nn.Module) -> Iterator[tuple[int, int]]:
     """Within the context each plain LoRA layer of ``model`` reads ``W + sum of its active adapters' deltas``
     with its adapters off; yields ``(merged layers, LoRA layers left unmerged)``. On exit every layer has its own
     weight tensor back and its adapters on: no parameter is written. Gradients must not flow inside (a rollout)."""
+    # imported here: peft imports bitsandbytes, whose import-time notice the CLI filters only once it has started
+    from peft.tuners.lora.layer import Linear as LoraLinear
+
     swapped: list[tuple[torch.nn.Module, torch.nn.Module, torch.nn.Parameter]] = []
     left = 0
     try:
