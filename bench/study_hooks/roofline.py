@@ -95,24 +95,26 @@ def rollout_tokens_per_s(arm) -> str:
     """Rows x the step's width (its longest completion) over its rollout seconds, the median over the steps after
     the first: the positions a loop running every row to the width computes per second. Rows that end early are
     counted to the width, so a sampler that drops them shows it as speed."""
-    roof = _roofline(arm)
     if _rollout(arm) is None:
         return "—"
-    first = roof["steps"][0]
     rates = sorted(
         s["settings"]["prompts"] * s["settings"]["generations"] * s["settings"]["new_tokens"] / s["times"]["rollout"]
-        for s in roof["per_step"]
-        if s["step"] >= first and s["times"].get("rollout")
+        for s in _measured_steps(arm)
+        if s["times"].get("rollout")
     )
     return f"{rates[len(rates) // 2]:.1f}" if rates else "—"
 
 
-def widths(arm) -> str:
-    """The rollout's width (its longest completion) at each step after the first."""
+def _measured_steps(arm) -> list[dict]:
+    """The roofline's per-step entries from its first measured step on (the steps its medians cover)."""
     roof = _roofline(arm)
     first = roof.get("steps", [0])[0]
-    shown = [str(s["settings"]["new_tokens"]) for s in roof.get("per_step", []) if s["step"] >= first]
-    return ", ".join(shown) or "—"
+    return [s for s in roof.get("per_step", []) if s["step"] >= first]
+
+
+def widths(arm) -> str:
+    """The rollout's width (its longest completion) at each step after the first."""
+    return ", ".join(str(s["settings"]["new_tokens"]) for s in _measured_steps(arm)) or "—"
 
 
 cells = {

@@ -219,10 +219,12 @@ def weights_are_real(model) -> bool:
     return not (weight.is_meta or isinstance(weight, FakeTensor))
 
 
-def _all_ended(unfinished: torch.Tensor) -> bool:
-    if isinstance(unfinished, FakeTensor):  # on fake tensors (estimates) a step runs to its longest
-        return False
-    return not bool(unfinished.any())
+def _running(unfinished: torch.Tensor) -> int | None:
+    """How many rows are still decoding (one host sync), or ``None`` on fake tensors, where an estimate's rollout
+    runs every row to its longest."""
+    if isinstance(unfinished, FakeTensor):
+        return None
+    return int(unfinished.sum())
 
 
 @torch.no_grad()
@@ -290,12 +292,12 @@ def decode(
     cache_key = cache_keyword(model)  # read once, not at every token
     unfinished = torch.ones(b, dtype=torch.long, device=device)  # [B], then [A] once rows are dropped
     logprobs = torch.zeros(b, max_new_tokens, dtype=torch.float32, device=device) if return_logprobs else None
-    rows = None  # with drop_ended, once a row has ended: the rows still decoding, as batch indices [A]
+    rows: slice | torch.Tensor = slice(None)  # the rows still decoding: all, or batch indices [A] (drop_ended)
     length = p
     # under mixed precision each weight is cast once for the rollout, not at every token (the same numbers)
     with linear_weights_cast_once(model) if step is None else contextlib.nullcontext():
         for produced in range(max_new_tokens):
-            fed = sequences[:, cached:length] if rows is None else sequences[rows, cached:length]  # [A, new]
+            fed = sequences[rows, cached:length]  # [A, new]
             if produced and step is not None:
                 logits = step(fed, positions[:, cached:length])  # [B, V]
             else:
@@ -328,23 +330,17 @@ def decode(
             else:
                 tokens = scores.argmax(dim=-1)  # [A]
             if logprobs is not None:  # filters only ever set tokens other than the sampled one to -inf
-                picked = scores.gather(1, tokens[:, None]).squeeze(1) - lse  # [A]
-                if rows is None:
-                    logprobs[:, produced] = picked
-                else:
-                    logprobs[rows, produced] = picked
+                logprobs[rows, produced] = scores.gather(1, tokens[:, None]).squeeze(1) - lse
             tokens = tokens * unfinished + pad_id * (1 - unfinished)
-            if rows is None:
-                sequences[:, length] = tokens
-            else:
-                sequences[rows, length] = tokens
+            sequences[rows, length] = tokens
             cached, length = length, length + 1
             unfinished = unfinished & ~torch.isin(tokens, eos_ids)
-            if _all_ended(unfinished):
+            running = _running(unfinished)
+            if running == 0:
                 break
-            if drop_ended and step is None and not isinstance(unfinished, FakeTensor) and not bool(unfinished.all()):
+            if drop_ended and step is None and running is not None and running < unfinished.shape[0]:
                 keep = unfinished.nonzero().squeeze(1)  # [A'] positions among the rows still decoding
-                rows = keep if rows is None else rows[keep]
+                rows = keep if isinstance(rows, slice) else rows[keep]
                 for layer in cache.layers:
                     layer.keep_rows(keep)
                 mask, positions, unfinished = mask[keep], positions[keep], unfinished[keep]
@@ -364,12 +360,12 @@ def inverse_cdf_draw(probs: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cumulative, u, right=True).squeeze(1)  # [A] never a token of probability 0
 
 
-def _draw(probs: torch.Tensor, rows: torch.Tensor | None, batch: int, draw: str) -> torch.Tensor:
-    """One token per row of ``probs [A, V]``. ``multinomial`` with ``rows``: drawn from a full ``[batch, V]`` table
-    (uniform elsewhere) so that each row meets the noise it would meet in the full batch."""
+def _draw(probs: torch.Tensor, rows: slice | torch.Tensor, batch: int, draw: str) -> torch.Tensor:
+    """One token per row of ``probs [A, V]``. ``multinomial`` with some rows dropped (``rows`` indices): drawn from a
+    full ``[batch, V]`` table (uniform elsewhere) so that each row meets the noise it would meet in the full batch."""
     if draw == "inverse_cdf":
         return inverse_cdf_draw(probs)
-    if rows is None:
+    if isinstance(rows, slice):
         return torch.multinomial(probs, num_samples=1).squeeze(1)  # [B]
     full = probs.new_full((batch, probs.shape[1]), 1.0 / probs.shape[1])  # [B, V]
     full[rows] = probs

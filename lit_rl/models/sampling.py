@@ -73,13 +73,9 @@ def sample_completions(
         input_ids = input_ids.repeat_interleave(repeats, dim=0)  # [B * repeats, P]
         attention_mask = attention_mask.repeat_interleave(repeats, dim=0)
         if settings is not None:
-            if own_decode == "compiled":
-                return compiled_decode(
-                    policy, input_ids, attention_mask, eos=eos, pad_id=pad_id, cache=cache,
-                    return_logprobs=return_logprobs, **settings,
-                )  # fmt: skip
-            fast = dict(drop_ended=True, draw="inverse_cdf") if fast_draw else {}
-            return decode(
+            run = compiled_decode if own_decode == "compiled" else decode
+            fast = dict(drop_ended=True, draw="inverse_cdf") if fast_draw and run is decode else {}
+            return run(
                 policy, input_ids, attention_mask, eos=eos, pad_id=pad_id, cache=cache,
                 return_logprobs=return_logprobs, **settings, **fast,
             )  # fmt: skip
