@@ -48,6 +48,7 @@ from lit_rl.methods.evaluation import distinct_bigrams
 from lit_rl.models import (
     cache_keyword,
     forward_soft_embeds,
+    gather_trunk,
     head_spec,
     load_reward_model,
     output_cache,
@@ -288,6 +289,7 @@ class GumbelTopK(RLMethod):
 
     def reward_embeddings(self, rollout: SoftRollout) -> torch.Tensor:
         """``[b, C', H]``: the completion's input embeddings in the reward model (k rows per token)."""
+        gather_trunk(self.reward_model)  # its embedding is read outside its forward (sharded: gathered first)
         return soft_embeddings(self.reward_model.get_input_embeddings(), rollout.indices, rollout.weights)
 
     def eos_tensor(self, vocab: int, device: torch.device) -> torch.Tensor:
@@ -360,6 +362,7 @@ class GumbelTopK(RLMethod):
 
     def soft_embedding(self, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """``[b, 1, H]``: a weighted gather of k embedding rows (``weights``, ``indices``: ``[b, k]``)."""
+        gather_trunk(self.policy)  # the embedding is called outside the trunk's forward (sharded: gathered first)
         rows = self.policy.get_input_embeddings()(indices)  # [b, k, H]
         return (weights.to(rows.dtype)[..., None] * rows).sum(1, keepdim=True)  # [b, 1, H]
 

@@ -68,6 +68,8 @@ class StandaloneStep:
     def finite_everywhere(self, value: torch.Tensor) -> bool:
         """Whether ``value`` is finite on every process (one all-reduce of a scalar under DDP)."""
         # counts the processes where it is finite (a value read on the estimator's fake tensors is 1: finite)
+        if hasattr(value, "full_tensor"):  # a norm over FSDP2's sharded gradients: the whole norm, on every rank
+            value = value.full_tensor()
         finite = torch.isfinite(value).all().float()
         return self.reduce_sum(finite).item() == self.world_size
 

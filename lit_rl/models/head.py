@@ -40,6 +40,8 @@ SCALE_EXCEPTIONS: dict[tuple[str, str], int] = {("hyperclovax", "logits_scaling"
 SOFTCAPS = ("final_logit_softcapping", "logits_soft_cap", "output_logit_soft_cap")
 # tokens of the parity check's forward
 PARITY_TOKENS = 8
+# the child under which a sharded trunk holds the modules beside it (lit_rl.models.sharding)
+ADOPTED = "lit_rl_beside_trunk"
 _DROPOUTS = (
     torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d, torch.nn.AlphaDropout,
     torch.nn.FeatureAlphaDropout,
@@ -68,7 +70,9 @@ def trunk(model) -> torch.nn.Module:
         parts = path.split(".")
         for depth in range(1, len(parts)):
             candidate = hf.get_submodule(".".join(parts[:depth]))
-            if head is None or not any(m is head for m in candidate.modules()):
+            # a sharded trunk also holds the head, as a second name under ADOPTED (lit_rl.models.sharding)
+            held = (m for name, m in candidate.named_modules() if ADOPTED not in name.split("."))
+            if head is None or not any(m is head for m in held):
                 return candidate
     decoder = hf.get_decoder() if hasattr(hf, "get_decoder") else None
     if isinstance(decoder, torch.nn.Module) and decoder is not hf and decoder is not head:
@@ -81,6 +85,15 @@ def trunk_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [B, L] left padding must not shift them
     out = trunk(model)(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
     return out[0]  # last_hidden_state, also for models that return tuples
+
+
+def gather_trunk(model) -> None:
+    """Gather the unit of a sharded trunk (FSDP2: the embedding and the head, :mod:`lit_rl.models.sharding`) for a
+    read of their weights outside its forward, as its forward would; FSDP shards it again after its backward.
+    No effect on a model that is not sharded."""
+    body = trunk(base_model(model))
+    if hasattr(body, "unshard"):  # an FSDPModule
+        body.unshard()
 
 
 def logit_transform(config) -> tuple[float, float | None]:
@@ -133,6 +146,7 @@ def head_spec(model) -> HeadSpec:
         ValueError: a model without an output embedding ``[V, E]``.
     """
     hf = base_model(model)
+    gather_trunk(hf)
     head = hf.get_output_embeddings()
     weight = getattr(head, "weight", None)
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:

@@ -21,6 +21,7 @@ from lit_rl.models.compiled_decode import compiled_decode
 from lit_rl.models.decode import decode, sampling_settings, weights_are_real
 from lit_rl.models.merged_lora import lora_merged
 from lit_rl.models.shared_prompt import shared_prefill
+from lit_rl.models.sharding import gathered
 
 
 @torch.no_grad()
@@ -100,6 +101,7 @@ def rollout_sampler(policy, *, dtype: str = "same", lora: str = "adapters") -> I
     weights (:func:`lit_rl.models.merged_lora.lora_merged`); a model whose LoRA layers cannot merge says so once.
     """
     with contextlib.ExitStack() as stack:
+        stack.enter_context(gathered(policy))  # sharded (FSDP2): each unit gathered once, not once per token
         weight = next(policy.parameters())
         if dtype == "bfloat16" and weight.dtype == torch.float32:
             stack.enter_context(torch.autocast(weight.device.type, dtype=torch.bfloat16, cache_enabled=False))

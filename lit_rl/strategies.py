@@ -1,0 +1,91 @@
+"""Sharding a method's models over processes: FSDP2 through Lightning's ``ModelParallelStrategy``.
+
+:class:`FSDP2Strategy` is Lightning's ``ModelParallelStrategy`` with every process in one data-parallel (sharding)
+dimension, and the sharding applied for the method: after ``configure_model`` has loaded the models, the policy
+and every frozen model the method holds (the full fine-tuning reference, GumbelTopK's reward model) are sharded
+per decoder layer with the trunk as the root unit (:func:`lit_rl.models.sharding.shard_model`, whose docstring
+says why). A method needs no code of its own for it. Launch as any Lightning strategy: ``trainer.devices`` and
+``trainer.num_nodes`` in the config, ``torchrun`` or SLURM for several machines (Lightning's own launchers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.utilities import rank_zero_info
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lit_rl.models.sharding import shard_model
+
+
+class FSDP2Strategy(ModelParallelStrategy):
+    """FSDP2 over every process, for any lit-rl method (see the module docstring).
+
+    Args:
+        cpu_offload: keep the sharded parameters, gradients and optimizer state in host memory (torch's
+            ``CPUOffloadPolicy``), gathered to the accelerator layer by layer; only on an accelerator.
+        save_distributed_checkpoint: each process writes its own shard of a checkpoint (a folder); ``False``
+            gathers the full state on rank 0 into one file.
+        process_group_backend: ``gloo`` or ``nccl``; by default the device's (gloo on CPU).
+        timeout: of the process group's collectives.
+    """
+
+    def __init__(
+        self,
+        cpu_offload: bool = False,
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+    ) -> None:
+        super().__init__(
+            data_parallel_size="auto",
+            tensor_parallel_size=1,
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        self.cpu_offload = cpu_offload
+        self._roots: list = []
+
+    @override
+    def setup_environment(self) -> None:
+        self._data_parallel_size = self.num_nodes * self.num_processes  # every process shards; none replicates
+        super().setup_environment()
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        if self.cpu_offload and self.root_device.type == "cpu":
+            raise ValueError(
+                "trainer.strategy.init_args.cpu_offload: the model already lives in host memory on a CPU run; "
+                "remove cpu_offload or set trainer.accelerator: gpu"
+            )
+        module = self.lightning_module
+        mesh = self.device_mesh["data_parallel"]
+        units, self._roots = 0, []
+        for name in ("policy", *getattr(module, "frozen_modules", ())):
+            model = getattr(module, name, None)
+            if model is not None:
+                root, count = shard_model(model, mesh, offload=self.cpu_offload)
+                self._roots.append(root)
+                units += count
+        rank_zero_info(f"FSDP2: {units} units sharded over {mesh.size()} processes")
+        super().setup(trainer)
+
+    @override
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model=None, **kwargs: Any) -> Any:
+        # the roots stay gathered through the step's backward (lit_rl.models.sharding); the gathered copies would be
+        # stale after the update, so they go now and the next forward gathers the updated shards
+        for root in self._roots:
+            root.reshard()
+        return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+    @override
+    def model_to_device(self) -> None:
+        if not self.cpu_offload:  # offloaded shards stay in host memory; FSDP moves what each forward needs
+            super().model_to_device()

@@ -1,0 +1,134 @@
+"""FSDP2 on two CPU processes (gloo) against one process on the same global batch, launched as a user would
+(``lit-rl fit`` with ``FSDP2Strategy``): the gradients of the first step and the weights after three steps equal
+the one-process run's, for each method, with full fine-tuning and with LoRA.
+
+The two runs draw the same completions for a prompt: the test seeds each prompt's rollout from its tokens (the
+sampler's random stream is otherwise per process). Everything else is the product's own step. A gradient
+averaged wrongly over the ranks (as gloo's reduce-scatter did in some torch releases) fails the comparison.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from lightning.pytorch.callbacks import Callback
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]  # two ranks on gloo, launched through `lit-rl fit`
+
+ROOT = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent
+STEPS = 3
+ALIAS = "lit_rl_beside_trunk"  # the sharded trunk's second name for the LM head (lit_rl.models.head.ADOPTED)
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    return (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach().double().clone()
+
+
+def seeded_per_prompt(sample):
+    """``sample_completions`` drawing each prompt's completions from a seed made of its tokens, so that the same
+    prompt gets the same completions whichever process and batch it is in."""
+
+    def sample_each(policy, input_ids, attention_mask, pad_id, eos, **kwargs):
+        runs = []
+        for ids, mask in zip(input_ids.split(1), attention_mask.split(1), strict=True):
+            tokens = ids[mask.bool()]
+            seed = int((tokens * torch.arange(1, tokens.numel() + 1)).sum())
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                runs.append(sample(policy, ids, mask, pad_id, eos, **kwargs))
+        sequences = [r[0] if isinstance(r, tuple) else r for r in runs]
+        width = max(s.shape[1] for s in sequences)
+        padded = torch.cat([torch.nn.functional.pad(s, (0, width - s.shape[1]), value=pad_id) for s in sequences])
+        if not isinstance(runs[0], tuple):
+            return padded
+        if runs[0][1] is None:
+            return padded, None
+        new = width - input_ids.shape[1]
+        logp = torch.cat([torch.nn.functional.pad(r[1], (0, new - r[1].shape[1])) for r in runs])
+        return padded, logp
+
+    return sample_each
+
+
+class ShardRecorder(Callback):
+    """Seeds each prompt's rollout (see :func:`seeded_per_prompt`) and writes the gradients of the first step and
+    the trainable weights at the end, whole (gathered from the shards), to ``out/rank<r>.pt``."""
+
+    def __init__(self, out: str) -> None:
+        self.out = Path(out)
+        self.grads: dict[str, torch.Tensor] = {}
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        import lit_rl.methods.grpo as grpo
+
+        grpo.sample_completions = seeded_per_prompt(grpo.sample_completions)  # this process's module only
+
+    def _named(self, pl_module):
+        named = pl_module.policy.named_parameters(remove_duplicate=False)
+        return [(n, p) for n, p in named if p.requires_grad and ALIAS not in n.split(".")]
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.start = {n: _full(p) for n, p in self._named(pl_module)}
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if not self.grads:
+            self.grads = {n: _full(p.grad) for n, p in self._named(pl_module) if p.grad is not None}
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        params = {n: _full(p) for n, p in self._named(pl_module)}
+        torch.save({"grads": self.grads, "params": params, "start": self.start}, self.out / f"rank{trainer.global_rank}.pt")
+
+
+METHODS = {"grpo": "grpo_tiny.yaml", "intuitor": "intuitor_tiny.yaml", "gumbel_topk": "gumbel_topk_tiny.yaml"}
+LORA = ["--model.init_args.lora", "{r: 4, alpha: 8, target_modules: all-linear}"]
+# plain SGD: the weights are linear in the gradients, so a gradient scaled wrongly shows in them too (AdamW divides
+# a constant factor away, and turns rounding noise in a near-zero gradient into a whole step)
+SGD = ["--optimizer", "torch.optim.SGD", "--model.init_args.learning_rate", "0.5"]
+
+
+def _fit(config: str, out: Path, *, processes: int, batch_size: int, extra: list[str], strategy="fsdp2") -> dict:
+    out.mkdir()
+    recorder = {"class_path": "test_fsdp2.ShardRecorder", "init_args": {"out": str(out)}}
+    trainer = {"accelerator": "cpu", "devices": processes, "use_distributed_sampler": False, "max_steps": STEPS,
+               "limit_val_batches": 0, "enable_progress_bar": False, "enable_model_summary": False,
+               "enable_checkpointing": False, "logger": False, "callbacks": [recorder],
+               "default_root_dir": str(out)}  # fmt: skip
+    if processes > 1:
+        trainer["strategy"] = {"class_path": "lit_rl.strategies.FSDP2Strategy"} if strategy == "fsdp2" else strategy
+    (out / "trainer.yaml").write_text(yaml.safe_dump({"trainer": trainer}))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    args = ["fit", "--config", str(ROOT / "configs" / config), "--config", str(out / "trainer.yaml"),
+            "--data.init_args.batch_size", str(batch_size), *SGD, *extra]  # fmt: skip
+    run = subprocess.run([sys.executable, "-m", "lit_rl", *args], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return torch.load(out / "rank0.pt", weights_only=True)
+
+
+def _max_difference(one: dict[str, torch.Tensor], two: dict[str, torch.Tensor]) -> float:
+    assert one.keys() == two.keys() and one
+    return max(float((one[k] - two[k]).abs().max()) for k in one)
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+@pytest.mark.parametrize("method", list(METHODS))
+def test_two_sharded_processes_train_what_one_process_trains(method, lora, tmp_path):
+    extra = LORA if lora else []
+    if method == "gumbel_topk":  # its noise is drawn per process: the reference is DDP, each rank drawing the same
+        one = _fit(METHODS[method], tmp_path / "one", processes=2, batch_size=2, extra=extra, strategy="ddp")
+    else:
+        one = _fit(METHODS[method], tmp_path / "one", processes=1, batch_size=4, extra=extra)
+    two = _fit(METHODS[method], tmp_path / "two", processes=2, batch_size=2, extra=extra)
+    scale = max(float(g.abs().max()) for g in one["grads"].values())
+    assert scale > 0, "the first step has no gradient: nothing would be compared"
+    grads, params = _max_difference(one["grads"], two["grads"]), _max_difference(one["params"], two["params"])
+    moved = _max_difference(one["start"], one["params"])  # equal weights at the end mean equal updates only if they moved
+    print(f"{method} {'lora' if lora else 'full'}: gradients {grads:.2e} of {scale:.2e}, weights {params:.2e} of {moved:.2e}")
+    assert grads <= 1e-5 * scale
+    assert moved > 1e-3 and params <= 1e-3 * moved  # rounding, grown by three steps (and Intuitor's per-group std)
