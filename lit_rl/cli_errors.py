@@ -130,13 +130,15 @@ def check_checkpoint(path: str | Path, option: str = "ckpt_path") -> None:
     the directory costs a few kilobytes, so a truncated or foreign file is refused before the model is built.
 
     Args:
-        path: the checkpoint file.
+        path: the checkpoint file, or a sharded checkpoint's folder (its ``meta.pt`` is checked).
         option: the setting that named it, for the message.
 
     Raises:
         UsageError: no such file, or not a torch checkpoint.
     """
     path = Path(path).expanduser()
+    if path.is_dir() and (path / "meta.pt").is_file():  # a sharded checkpoint (FSDP2Strategy): shards and meta.pt
+        path = path / "meta.pt"
     if not path.is_file():
         resume = " or `last` to resume from the newest checkpoint of trainer.callbacks' ModelCheckpoint"
         raise UsageError(

@@ -37,7 +37,8 @@ def load_method(ckpt_path: str | Path):
     """
     path = Path(ckpt_path).expanduser()
     check_checkpoint(path, "--ckpt_path")
-    checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    sharded = path.is_dir()  # FSDP2Strategy's checkpoint: a folder of shards, the rest in meta.pt
+    checkpoint = torch.load(path / "meta.pt" if sharded else path, map_location="cpu", weights_only=True)
     hparams: dict[str, Any] = dict(checkpoint.get("hyper_parameters", {}))
     class_path = hparams.get("_class_path")
     if not class_path:
@@ -50,6 +51,11 @@ def load_method(ckpt_path: str | Path):
     method = cls(**{k: v for k, v in hparams.items() if not k.startswith("_")})
     method.setup("export")  # the tokenizer
     method.configure_model()  # the base weights from name_or_path (and the LoRA adapters to load into)
+    if sharded:  # the trained weights, read from the shards into this one process's whole tensors
+        import torch.distributed.checkpoint as dcp
+
+        checkpoint["state_dict"] = method.state_dict()
+        dcp.load({"state_dict": checkpoint["state_dict"]}, checkpoint_id=path)
     method.load_state_dict(checkpoint["state_dict"])
     method.eval()
     return method
@@ -88,7 +94,7 @@ def main(args: list[str]) -> None:
         description="Write a training checkpoint's policy as a Hugging Face folder: merged weights "
         "(AutoModelForCausalLM.from_pretrained) or, with --adapter, the LoRA adapter (peft).",
     )
-    parser.add_argument("--ckpt_path", required=True, help="a .ckpt file written by lit-rl fit")
+    parser.add_argument("--ckpt_path", required=True, help="a .ckpt file (or sharded .ckpt folder) written by lit-rl fit")
     parser.add_argument("--out", required=True, help="a new folder to write")
     parser.add_argument("--adapter", action="store_true", help="LoRA runs: write the adapter only, not merged weights")
     options = parser.parse_args(args)

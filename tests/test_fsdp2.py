@@ -132,3 +132,31 @@ def test_two_sharded_processes_train_what_one_process_trains(method, lora, tmp_p
     print(f"{method} {'lora' if lora else 'full'}: gradients {grads:.2e} of {scale:.2e}, weights {params:.2e} of {moved:.2e}")
     assert grads <= 1e-5 * scale
     assert moved > 1e-3 and params <= 1e-3 * moved  # rounding, grown by three steps (and Intuitor's per-group std)
+
+
+def test_a_sharded_checkpoint_resumes_exactly_and_exports_to_one_folder(tmp_path):
+    """Stop at step 2 and resume to 4 from the sharded checkpoint (a folder, one file per process) = a straight run
+    to 4; ``lit-rl export`` of the resumed run's checkpoint is one Hugging Face folder with the trained weights."""
+    saving = ["--trainer.enable_checkpointing", "true", "--trainer.callbacks+",
+              "lightning.pytorch.callbacks.ModelCheckpoint", "--trainer.callbacks.dirpath", str(tmp_path / "ckpt"),
+              "--trainer.callbacks.every_n_train_steps", "2", "--trainer.callbacks.save_last", "true"]  # fmt: skip
+    straight = _fit("grpo_tiny.yaml", tmp_path / "straight", processes=2, batch_size=2, extra=["--trainer.max_steps", "4"])
+    _fit("grpo_tiny.yaml", tmp_path / "first", processes=2, batch_size=2, extra=["--trainer.max_steps", "2", *saving])
+    last = tmp_path / "ckpt" / "last.ckpt"
+    assert last.is_dir() and len(list(last.glob("*.distcp"))) == 2, "not one shard per process"
+    resumed = _fit("grpo_tiny.yaml", tmp_path / "resumed", processes=2, batch_size=2,
+                   extra=["--trainer.max_steps", "4", "--ckpt_path", str(last), *saving])  # fmt: skip
+    assert straight["params"].keys() == resumed["params"].keys()
+    assert all(torch.equal(straight["params"][k], resumed["params"][k]) for k in straight["params"])
+    assert _max_difference(straight["start"], straight["params"]) > 1e-3  # the four steps moved the weights
+
+    out = tmp_path / "exported"
+    run = subprocess.run([sys.executable, "-m", "lit_rl", "export", "--ckpt_path", str(last), "--out", str(out)],
+                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(out)
+    exported = {n: p.detach().double() for n, p in model.named_parameters(remove_duplicate=False)}
+    assert exported.keys() == resumed["params"].keys()
+    assert all(torch.equal(exported[k], resumed["params"][k]) for k in exported)

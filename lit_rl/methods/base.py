@@ -41,7 +41,7 @@ from lit_rl.methods.rewards import TextAndRewards
 from lit_rl.methods.rng import rng_states, set_rng_states
 from lit_rl.methods.standalone import StandaloneStep
 from lit_rl.methods.token_budget import budget_slices, check_budget
-from lit_rl.models import LoraSettings, build_optimizer, load_causal_lm, load_tokenizer
+from lit_rl.models import ADOPTED, LoraSettings, build_optimizer, load_causal_lm, load_tokenizer
 from lit_rl.models.compiled_decode import choose_decode
 from lit_rl.models.quantize import check_quantize_base, nf4_memory
 
@@ -341,11 +341,11 @@ class RLMethod(HeldOutEvaluation, TextAndRewards, StandaloneStep, L.LightningMod
         return state
 
     def _frozen_policy_keys(self, prefix: str = "") -> set[str]:
-        """State keys of the policy's parameters that do not train (the base weights under LoRA)."""
+        """State keys rebuilt at load: frozen policy weights (the base under LoRA), a sharded trunk's second names."""
         if self.policy is None:
             return set()
         named = self.policy.named_parameters(prefix=f"{prefix}policy", remove_duplicate=False)
-        return {name for name, p in named if not p.requires_grad}
+        return {name for name, p in named if not p.requires_grad or ADOPTED in name.split(".")}
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False):
         result = super().load_state_dict(state_dict, strict=False, assign=assign)

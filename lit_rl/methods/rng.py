@@ -41,7 +41,8 @@ def set_rng_states(module: L.LightningModule, state: dict[str, Any]) -> None:
     per_process = int(state.get("world_size", 1)) > 1
 
     def own(tensor: torch.Tensor) -> torch.Tensor:
-        return (tensor[rank % tensor.shape[0]] if per_process else tensor).to(torch.uint8).cpu()
+        # a copy: torch.set_rng_state crashes the process (segmentation fault) on a row view past the first
+        return (tensor[rank % tensor.shape[0]] if per_process else tensor).to(torch.uint8).cpu().clone()
 
     torch.set_rng_state(own(state["torch"]))
     if state.get("cuda") is not None and module.device.type == "cuda":

@@ -12,6 +12,7 @@ from lit_rl.models.checkpointing import enable_activation_checkpointing
 from lit_rl.models.compiled_decode import compile_seconds, compile_unsupported
 from lit_rl.models.decode import decode_unsupported
 from lit_rl.models.head import (
+    ADOPTED,
     base_model,
     check_head_parity,
     disable_dropout,
@@ -55,6 +56,7 @@ from lit_rl.models.shapes import BUILTIN_SHAPES, SHAPE_PREFIX, shape_config
 from lit_rl.models.tiny import tiny_config, tiny_tokenizer
 
 __all__ = [
+    "ADOPTED",
     "BUILTIN_SHAPES",
     "DTYPES",
     "EMBEDDED",
