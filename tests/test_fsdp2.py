@@ -83,7 +83,9 @@ class ShardRecorder(Callback):
 
     def on_train_end(self, trainer, pl_module) -> None:
         params = {n: _full(p) for n, p in self._named(pl_module)}
-        torch.save({"grads": self.grads, "params": params, "start": self.start}, self.out / f"rank{trainer.global_rank}.pt")
+        torch.save(
+            {"grads": self.grads, "params": params, "start": self.start}, self.out / f"rank{trainer.global_rank}.pt"
+        )
 
 
 METHODS = {"grpo": "grpo_tiny.yaml", "intuitor": "intuitor_tiny.yaml", "gumbel_topk": "gumbel_topk_tiny.yaml"}
@@ -128,8 +130,12 @@ def test_two_sharded_processes_train_what_one_process_trains(method, lora, tmp_p
     scale = max(float(g.abs().max()) for g in one["grads"].values())
     assert scale > 0, "the first step has no gradient: nothing would be compared"
     grads, params = _max_difference(one["grads"], two["grads"]), _max_difference(one["params"], two["params"])
-    moved = _max_difference(one["start"], one["params"])  # equal weights at the end mean equal updates only if they moved
-    print(f"{method} {'lora' if lora else 'full'}: gradients {grads:.2e} of {scale:.2e}, weights {params:.2e} of {moved:.2e}")
+    moved = _max_difference(
+        one["start"], one["params"]
+    )  # equal weights at the end mean equal updates only if they moved
+    print(
+        f"{method} {'lora' if lora else 'full'}: gradients {grads:.2e} of {scale:.2e}, weights {params:.2e} of {moved:.2e}"
+    )
     assert grads <= 1e-5 * scale
     assert moved > 1e-3 and params <= 1e-3 * moved  # rounding, grown by three steps (and Intuitor's per-group std)
 
@@ -140,11 +146,19 @@ def test_a_sharded_checkpoint_resumes_exactly_and_exports_to_one_folder(tmp_path
     saving = ["--trainer.enable_checkpointing", "true", "--trainer.callbacks+",
               "lightning.pytorch.callbacks.ModelCheckpoint", "--trainer.callbacks.dirpath", str(tmp_path / "ckpt"),
               "--trainer.callbacks.every_n_train_steps", "2", "--trainer.callbacks.save_last", "true"]  # fmt: skip
-    straight = _fit("grpo_tiny.yaml", tmp_path / "straight", processes=2, batch_size=2, extra=["--trainer.max_steps", "4"])
-    _fit("grpo_tiny.yaml", tmp_path / "first", processes=2, batch_size=2, extra=["--trainer.max_steps", "2", *saving])
+    straight = _fit(
+        "grpo_fsdp_tiny.yaml", tmp_path / "straight", processes=2, batch_size=2, extra=["--trainer.max_steps", "4"]
+    )
+    _fit(
+        "grpo_fsdp_tiny.yaml",
+        tmp_path / "first",
+        processes=2,
+        batch_size=2,
+        extra=["--trainer.max_steps", "2", *saving],
+    )
     last = tmp_path / "ckpt" / "last.ckpt"
     assert last.is_dir() and len(list(last.glob("*.distcp"))) == 2, "not one shard per process"
-    resumed = _fit("grpo_tiny.yaml", tmp_path / "resumed", processes=2, batch_size=2,
+    resumed = _fit("grpo_fsdp_tiny.yaml", tmp_path / "resumed", processes=2, batch_size=2,
                    extra=["--trainer.max_steps", "4", "--ckpt_path", str(last), *saving])  # fmt: skip
     assert straight["params"].keys() == resumed["params"].keys()
     assert all(torch.equal(straight["params"][k], resumed["params"][k]) for k in straight["params"])
@@ -160,3 +174,15 @@ def test_a_sharded_checkpoint_resumes_exactly_and_exports_to_one_folder(tmp_path
     exported = {n: p.detach().double() for n, p in model.named_parameters(remove_duplicate=False)}
     assert exported.keys() == resumed["params"].keys()
     assert all(torch.equal(exported[k], resumed["params"][k]) for k in exported)
+
+
+def test_cpu_offload_on_a_cpu_run_is_refused_in_one_line(tmp_path):
+    args = ["fit", "--config", str(ROOT / "configs" / "grpo_fsdp_tiny.yaml"), "--trainer.default_root_dir",
+            str(tmp_path), "--trainer.strategy.init_args.cpu_offload", "true"]  # fmt: skip
+    run = subprocess.run([sys.executable, "-m", "lit_rl", *args], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 2, run.stderr[-3000:]
+    assert run.stderr.strip().splitlines()[-1] == (
+        "error: trainer.strategy.init_args.cpu_offload: the model already lives in host memory on a CPU run; "
+        "remove cpu_offload or set trainer.accelerator: gpu"
+    )
+    assert "Traceback" not in run.stderr

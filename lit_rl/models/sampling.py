@@ -20,8 +20,8 @@ from lit_rl.models.cache_keyword import cache_kwargs
 from lit_rl.models.compiled_decode import compiled_decode
 from lit_rl.models.decode import decode, sampling_settings, weights_are_real
 from lit_rl.models.merged_lora import lora_merged
-from lit_rl.models.shared_prompt import shared_prefill
 from lit_rl.models.sharding import gathered
+from lit_rl.models.shared_prompt import shared_prefill
 
 
 @torch.no_grad()
