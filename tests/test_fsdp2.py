@@ -186,3 +186,39 @@ def test_cpu_offload_on_a_cpu_run_is_refused_in_one_line(tmp_path):
         "remove cpu_offload or set trainer.accelerator: gpu"
     )
     assert "Traceback" not in run.stderr
+
+
+def test_the_estimate_of_one_sharded_process_is_what_each_process_holds(tmp_path):
+    """Each process's tensor peak per phase, measured by the MemoryProfiler in a 2-process run, against
+    ``estimate_step(shard_processes=2)`` at the shapes the run's steps had (within 10%); its weights and optimizer
+    state are half of one process's."""
+    import json
+
+    from lit_rl.cli import parse_fit_config
+    from lit_rl.memory import estimate_step
+
+    config = str(ROOT / "configs" / "grpo_fsdp_tiny.yaml")
+    args = ["fit", "--config", config, "--config", str(ROOT / "callbacks" / "memory_profiler.yaml"),
+            "--trainer.default_root_dir", str(tmp_path), "--trainer.limit_val_batches", "0"]  # fmt: skip
+    run = subprocess.run([sys.executable, "-m", "lit_rl", *args], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    summaries = [json.loads(f.read_text()) for f in sorted(tmp_path.rglob("memory_summary*.json"))]
+    assert len(summaries) == 2, "one summary per process"
+    shapes = {
+        (s["settings"]["prompt_length"], s["settings"]["new_tokens"]) for s in summaries[0]["roofline"]["per_step"]
+    }
+    assert len(shapes) == 1, f"the steady steps had different shapes {shapes}: no single prediction to compare"
+    ((prompt_length, new_tokens),) = shapes
+    module, _, _ = parse_fit_config(["--config", config])
+    settings = dict(batch_size=2, prompt_length=prompt_length, max_new_tokens=new_tokens)
+    sharded = estimate_step(module, shard_processes=2, **settings)
+    whole = estimate_step(module, **settings)
+    for summary in summaries:
+        steady = summary["steps"][-1]["phases"]  # steady state: the optimizer state exists
+        for phase, predicted in sharded.phases.items():
+            measured = steady[phase]["peak_bytes"]
+            assert abs(predicted - measured) <= 0.1 * measured, f"{phase}: predicted {predicted}, measured {measured}"
+        held = steady["optimizer"]["breakdown"]
+        for category in ("parameters", "optimizer_state"):
+            one_process = whole.breakdown["optimizer"][category]
+            assert abs(held[category] - one_process / 2) <= 0.05 * one_process, (category, held, one_process)

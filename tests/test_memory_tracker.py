@@ -141,3 +141,22 @@ def test_device_filter_and_bad_inputs():
     with pytest.raises(TypeError, match="cannot track"):
         TensorMemoryTracker().track(3)
     del x
+
+
+def test_storage_resizes_are_counted_as_fsdp2_frees_and_gathers_weights():
+    """FSDP2 frees a gathered weight by resizing its storage to 0 bytes and gathers into the same storage later;
+    neither is an operator, and the storage may predate the tracker (kept from an earlier step)."""
+    kept = torch.empty(1000)  # 4000 B, allocated before any tracker: a gathered weight from an earlier step
+    kept.untyped_storage().resize_(0)
+    with TensorMemoryTracker() as t:
+        x = torch.empty(250)  # 1000 B
+        x.untyped_storage().resize_(0)
+        assert t.current_bytes == 0 and t.peak_bytes == 1000
+        kept.untyped_storage().resize_(4000)  # gathered again: counted from now on
+        assert t.current_bytes == 4000
+        kept.untyped_storage().resize_(0)
+        x.untyped_storage().resize_(1000)
+        assert t.current_bytes == 1000 and t.peak_bytes == 4000
+    outside = torch.empty(10)
+    outside.untyped_storage().resize_(0)  # no tracker is entered: nothing is counted, nothing fails
+    assert t.current_bytes == 1000

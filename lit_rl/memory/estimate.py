@@ -45,6 +45,7 @@ Where a prediction can differ from a measurement:
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import time
 from dataclasses import dataclass, field
@@ -70,6 +71,7 @@ from lit_rl.memory.phases import BACKWARD, SCRATCH_PHASES
 from lit_rl.memory.report import Component, Estimate
 from lit_rl.memory.rollout import rollout_shape
 from lit_rl.memory.shapes import BUILTIN_SHAPES, config_resolver, model_config_for
+from lit_rl.memory.sharded import fake_processes, reshard_before_steps, shard_method, sharded_processes
 from lit_rl.memory.tracker import TensorMemoryTracker
 from lit_rl.memory.units import GIB, MIB, format_bytes, parse_bytes
 from lit_rl.models import base_model, build_on_meta, enable_activation_checkpointing
@@ -94,6 +96,7 @@ def estimate_step(
     device_type: str = "cpu",
     full_decode: bool = False,
     offload_activations: int | None = None,
+    shard_processes: int = 1,
     **overrides: Any,
 ) -> Estimate:
     """Predict the per-phase peak memory of one training step of ``module``, without loading weights.
@@ -119,6 +122,8 @@ def estimate_step(
         full_decode: run every decode step of ``generate`` (see :mod:`lit_rl.memory.fake`).
         offload_activations: the update's saved activations of at least this many bytes leave the device
             (:class:`~lit_rl.callbacks.ActivationOffloading`'s ``min_bytes``): only what stays is counted; ``None``: off.
+        shard_processes: above 1, the models are sharded over that many processes (FSDP2) and the estimate is one
+            process's (:mod:`lit_rl.memory.sharded`).
         **overrides: hyper-parameters to change (``micro_batch_size=4``, ``lora=LoraSettings()``, ...).
 
     Returns:
@@ -148,9 +153,11 @@ def estimate_step(
     if cast_dtype is not None:  # Lightning's true-half precision converts the whole module after configure_model
         method.to(cast_dtype)
     record = GenerateRecord()
-    with fake_mode(), patches(padded):
+    processes = fake_processes(shard_processes) if shard_processes > 1 else contextlib.nullcontext()
+    with processes as mesh, fake_mode(), patches(padded):  # the mesh of real tensors, made before fake mode
         method.to_empty(device="cpu")
         _tie_all(method)
+        roots = shard_method(method, mesh) if mesh is not None else []
         method.train()
         if activation_checkpointing:
             enable_activation_checkpointing(method.policy, activation_checkpointing)
@@ -161,6 +168,7 @@ def estimate_step(
         if device_type == "cuda":  # what torch picks for CUDA tensors when the optimizer is not fused
             for group in optimizer.param_groups:
                 group["foreach"] = not group.get("fused")
+        reshard_before_steps(optimizer, roots)
         method.attach_optimizer(optimizer)
         if offload_activations is not None:  # the run's hooks, holding no copy: what leaves the device is not counted
             hooks = OffloadSavedTensors(method.policy, "meta", min_bytes=offload_activations)
@@ -189,6 +197,7 @@ def estimate_step(
         micro_batch_size=method.micro_batches(batch, [prompt_length + shape.max_new_tokens] * batch)[0].stop,
         activation_checkpointing=activation_checkpointing,
         offload_activations=offload_activations,
+        shard_processes=shard_processes,
         optimizer=run.optimizer_name,
         padded=padded,
         config=config,
@@ -243,6 +252,8 @@ def trainer_settings(trainer, **known: Any) -> dict[str, Any]:
         callbacks=trainer.callbacks,
         device_type="cuda" if trainer.strategy.root_device.type == "cuda" else "cpu",
     )
+    run = {"strategy": trainer.strategy, "devices": trainer.num_devices, "num_nodes": trainer.num_nodes}
+    settings["shard_processes"] = sharded_processes(run)  # FSDP2Strategy: one process of a sharded run
     settings.update(known)
     if "batch_size" not in settings or "prompt_length" not in settings:
         raise ValueError(

@@ -212,13 +212,33 @@ class TensorMemoryTracker(TorchDispatchMode):
                     self._by_category[category] += entry.nbytes
                     entry.category = category
 
+    def __enter__(self):
+        _watch_storage_resizes(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any):
+        _RESIZE_WATCHERS.discard(self)
+        return super().__exit__(*exc)
+
+    def _storage_resized(self, st: torch.UntypedStorage) -> None:
+        with self._lock:
+            entry = self._live.get(id(st))
+            if entry is not None and entry.nbytes != st.nbytes():
+                self._resize(entry, st.nbytes())
+            elif entry is None and st.nbytes() > 0 and self._counts_storage(st):
+                # allocated before this tracker (FSDP2 keeps a gathered weight's storage from step to step at 0
+                # bytes): counted from the moment it holds bytes again
+                self._add(st, self.default_category)
+
     # ---------------------------------------------------------------------------------------- counting
 
     def _counts_device(self, t: torch.Tensor) -> bool:
-        device = t.device  # a fake tensor reports the device it pretends to be on
+        return self._counts_storage(t)  # a fake tensor reports the device it pretends to be on
+
+    def _counts_storage(self, t: torch.Tensor | torch.UntypedStorage) -> bool:
         if self.device_type is not None:
-            return device.type == self.device_type
-        return device.type != "meta"
+            return t.device.type == self.device_type
+        return t.device.type != "meta"
 
     def _add(self, st: torch.UntypedStorage, category: str) -> None:
         key = id(st)
@@ -265,6 +285,25 @@ class TensorMemoryTracker(TorchDispatchMode):
                     elif key not in inputs:
                         self._add(st, self.default_category)
         return out
+
+
+# trackers told of storage resizes: FSDP2 frees a gathered weight by resizing its storage to 0 bytes and gathers it
+# again into the same storage, neither of which is an operator a dispatch mode sees
+_RESIZE_WATCHERS: weakref.WeakSet = weakref.WeakSet()
+_PLAIN_RESIZE = torch.UntypedStorage.resize_
+
+
+def _resize_watched(storage: torch.UntypedStorage, size: int):
+    result = _PLAIN_RESIZE(storage, size)
+    for tracker in list(_RESIZE_WATCHERS):
+        tracker._storage_resized(storage)
+    return result
+
+
+def _watch_storage_resizes(tracker: TensorMemoryTracker) -> None:
+    if torch.UntypedStorage.resize_ is not _resize_watched:  # installed once, by the first tracker entered
+        torch.UntypedStorage.resize_ = _resize_watched
+    _RESIZE_WATCHERS.add(tracker)
 
 
 def _check_category(name: str) -> None:

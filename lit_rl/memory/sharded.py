@@ -1,0 +1,79 @@
+"""The estimate of one process of a sharded run (FSDP2): the same sharding, over processes that do not exist.
+
+``lit-rl estimate`` on a config whose strategy is :class:`lit_rl.strategies.FSDP2Strategy` predicts the peak of
+one process. It shards the method's models exactly as the run does (:func:`lit_rl.models.sharding.shard_model`),
+on the fake tensors the estimate runs on, over a process group of torch's ``fake`` backend, whose collectives do
+nothing: every process holds the same shapes, so one process's tensors are every process's. What the tensor
+accounting then sees is what a process holds: its shard of the weights, gradients and optimizer state (made by
+the optimizer from the sharded weights), the layers gathered for a forward or backward and freed after (FSDP2
+frees a gathered weight by resizing its storage, which :class:`~lit_rl.memory.tracker.TensorMemoryTracker`
+follows), the root unit (embedding and head) gathered from a step's first forward to its optimizer step, and
+the policy gathered whole for the rollout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+from lit_rl.models.sharding import shard_model
+
+STRATEGY = "lit_rl.strategies.FSDP2Strategy"
+
+
+def sharded_processes(trainer_config: dict) -> int:
+    """How many processes a run of ``trainer_config`` shards over: devices x nodes under FSDP2Strategy, else 1."""
+    strategy = trainer_config.get("strategy")  # the instance the config builds, or its class path
+    if isinstance(strategy, dict):
+        strategy = strategy.get("class_path")
+    name = strategy if isinstance(strategy, str) else f"{type(strategy).__module__}.{type(strategy).__name__}"
+    if name != STRATEGY:
+        return 1
+    devices = trainer_config.get("devices", 1)
+    if isinstance(devices, (list, tuple)):
+        devices = len(devices)
+    if not isinstance(devices, int) and not str(devices).isdigit():
+        raise ValueError(f"trainer.devices: {devices!r}; the estimate of a sharded run needs a number of devices")
+    return int(devices) * int(trainer_config.get("num_nodes", 1) or 1)
+
+
+@contextlib.contextmanager
+def fake_processes(world_size: int) -> Iterator[object]:
+    """A device mesh over ``world_size`` processes of torch's ``fake`` backend, in this one process."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if dist.is_initialized():
+        raise RuntimeError(
+            "the estimate of a sharded run needs a process of its own (this one already belongs to a process group); "
+            "run lit-rl estimate outside the training run"
+        )
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+    try:
+        yield init_device_mesh("cpu", (world_size,))
+    finally:
+        dist.destroy_process_group()
+
+
+def shard_method(method, mesh) -> list[torch.nn.Module]:
+    """Shard the policy and every frozen model of ``method`` as FSDP2Strategy does; returns the root units."""
+    roots = []
+    for name in ("policy", *getattr(method, "frozen_modules", ())):
+        model = getattr(method, name, None)
+        if model is not None:
+            roots.append(shard_model(model, mesh)[0])
+    return roots
+
+
+def reshard_before_steps(optimizer: torch.optim.Optimizer, roots: list[torch.nn.Module]) -> None:
+    """Shard the roots again before each optimizer step, as FSDP2Strategy does."""
+
+    def reshard(*_: object) -> None:
+        for root in roots:
+            root.reshard()
+
+    optimizer.register_step_pre_hook(reshard)
