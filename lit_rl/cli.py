@@ -53,7 +53,7 @@ from lit_rl.cli_errors import (
 from lit_rl.cli_noise import quiet_lightning
 from lit_rl.memory.estimate import BUILTIN_SHAPES, Estimate, estimate_step, parse_bytes, settings_from
 from lit_rl.memory.fit import fit_report
-from lit_rl.memory.sharded import sharded_processes
+from lit_rl.memory.sharded import sharding_settings
 from lit_rl.methods.base import RLMethod
 from lit_rl.planner import CHANGES_ARITHMETIC, write_plan
 
@@ -301,7 +301,7 @@ def estimate_from_args(args: list[str]) -> tuple[Estimate, dict[str, Any], Any]:
         settings["reward_model_config"] = options.reward_model_config
     if options.padded != "auto":
         settings["padded"] = options.padded == "yes"
-    settings["shard_processes"] = sharded_processes(trainer_config)  # FSDP2Strategy: the estimate of one process
+    settings.update(sharding_settings(trainer_config))  # FSDP2Strategy: the estimate of one process
     module.check_micro_batch_tokens(settings["prompt_length"])
     return estimate_step(module, **settings), settings, module
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -30,6 +30,9 @@ class FSDP2Strategy(ModelParallelStrategy):
     Args:
         cpu_offload: keep the sharded parameters, gradients and optimizer state in host memory (torch's
             ``CPUOffloadPolicy``), gathered to the accelerator layer by layer; only on an accelerator.
+        rollout_gather: ``auto`` (gather the whole policy once per rollout when it takes at most half of the free
+            device memory, else layer by layer; the run says which), ``whole`` or ``layers``
+            (:func:`lit_rl.models.sharding.gathered`).
         save_distributed_checkpoint: each process writes its own shard of a checkpoint (a folder); ``False``
             gathers the full state on rank 0 into one file.
         process_group_backend: ``gloo`` or ``nccl``; by default the device's (gloo on CPU).
@@ -39,6 +42,7 @@ class FSDP2Strategy(ModelParallelStrategy):
     def __init__(
         self,
         cpu_offload: bool = False,
+        rollout_gather: Literal["auto", "whole", "layers"] = "auto",
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
@@ -51,6 +55,7 @@ class FSDP2Strategy(ModelParallelStrategy):
             timeout=timeout,
         )
         self.cpu_offload = cpu_offload
+        self.rollout_gather = rollout_gather
         self._roots: list = []
 
     @override
@@ -71,7 +76,8 @@ class FSDP2Strategy(ModelParallelStrategy):
         for name in ("policy", *getattr(module, "frozen_modules", ())):
             model = getattr(module, name, None)
             if model is not None:
-                root, count = shard_model(model, mesh, offload=self.cpu_offload)
+                gather = self.rollout_gather if name == "policy" else "layers"  # frozen models do not sample
+                root, count = shard_model(model, mesh, offload=self.cpu_offload, rollout_gather=gather)
                 self._roots.append(root)
                 units += count
         rank_zero_info(f"FSDP2: {units} units sharded over {mesh.size()} processes")

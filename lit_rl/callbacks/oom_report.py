@@ -166,7 +166,10 @@ class OOMReport(Callback):
         }
         micro = {k: v for k, v in dict(getattr(pl_module, "hparams", {}) or {}).items() if "micro_batch" in k}
         tactics = []
+        sharded = hasattr(trainer.strategy, "rollout_gather")  # FSDP2Strategy
         for name, tactic in TACTICS.items():
+            if name == "rollout_layers" and not sharded:
+                continue  # a setting of sharded runs only
             what, how = tactic.what, tactic.how.replace(" {value}", "")
             if name == "micro_batch" and micro:
                 how = ", ".join(f"lower {k} (now {v})" for k, v in micro.items())

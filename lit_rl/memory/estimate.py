@@ -71,7 +71,7 @@ from lit_rl.memory.phases import BACKWARD, SCRATCH_PHASES
 from lit_rl.memory.report import Component, Estimate
 from lit_rl.memory.rollout import rollout_shape
 from lit_rl.memory.shapes import BUILTIN_SHAPES, config_resolver, model_config_for
-from lit_rl.memory.sharded import fake_processes, reshard_before_steps, shard_method, sharded_processes
+from lit_rl.memory.sharded import fake_processes, reshard_before_steps, shard_method, sharding_settings
 from lit_rl.memory.tracker import TensorMemoryTracker
 from lit_rl.memory.units import GIB, MIB, format_bytes, parse_bytes
 from lit_rl.models import base_model, build_on_meta, enable_activation_checkpointing
@@ -97,6 +97,7 @@ def estimate_step(
     full_decode: bool = False,
     offload_activations: int | None = None,
     shard_processes: int = 1,
+    rollout_gather: str = "auto",
     **overrides: Any,
 ) -> Estimate:
     """Predict the per-phase peak memory of one training step of ``module``, without loading weights.
@@ -124,6 +125,7 @@ def estimate_step(
             (:class:`~lit_rl.callbacks.ActivationOffloading`'s ``min_bytes``): only what stays is counted; ``None``: off.
         shard_processes: above 1, the models are sharded over that many processes (FSDP2) and the estimate is one
             process's (:mod:`lit_rl.memory.sharded`).
+        rollout_gather: with ``shard_processes``, the strategy's ``rollout_gather`` (``auto`` is predicted as ``whole``).
         **overrides: hyper-parameters to change (``micro_batch_size=4``, ``lora=LoraSettings()``, ...).
 
     Returns:
@@ -157,7 +159,7 @@ def estimate_step(
     with processes as mesh, fake_mode(), patches(padded):  # the mesh of real tensors, made before fake mode
         method.to_empty(device="cpu")
         _tie_all(method)
-        roots = shard_method(method, mesh) if mesh is not None else []
+        roots = shard_method(method, mesh, rollout_gather) if mesh is not None else []
         method.train()
         if activation_checkpointing:
             enable_activation_checkpointing(method.policy, activation_checkpointing)
@@ -198,6 +200,7 @@ def estimate_step(
         activation_checkpointing=activation_checkpointing,
         offload_activations=offload_activations,
         shard_processes=shard_processes,
+        rollout_gather=rollout_gather if shard_processes > 1 else None,
         optimizer=run.optimizer_name,
         padded=padded,
         config=config,
@@ -253,7 +256,7 @@ def trainer_settings(trainer, **known: Any) -> dict[str, Any]:
         device_type="cuda" if trainer.strategy.root_device.type == "cuda" else "cpu",
     )
     run = {"strategy": trainer.strategy, "devices": trainer.num_devices, "num_nodes": trainer.num_nodes}
-    settings["shard_processes"] = sharded_processes(run)  # FSDP2Strategy: one process of a sharded run
+    settings.update(sharding_settings(run))  # FSDP2Strategy: one process of a sharded run
     settings.update(known)
     if "batch_size" not in settings or "prompt_length" not in settings:
         raise ValueError(
@@ -373,7 +376,8 @@ def _run_step(
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     state = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-    run.state_bytes = sum(t.untyped_storage().nbytes() for t in state)
+    local = [t.to_local() if hasattr(t, "to_local") else t for t in state]  # sharded (FSDP2): this process's share
+    run.state_bytes = sum(t.untyped_storage().nbytes() for t in local)
     run.state_tensors = len(state)
     for t in state:
         run.state_numel[dtype_name(t.dtype)] = run.state_numel.get(dtype_name(t.dtype), 0) + t.numel()

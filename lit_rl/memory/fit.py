@@ -120,10 +120,12 @@ def _tactics(baseline: Estimate) -> dict[str, dict[str, Any]]:
         changes["activation_checkpointing"] = {"activation_checkpointing": 1}
     if s["micro_batch_size"] > 1:
         changes["micro_batch"] = {"micro_batch_size": max(1, s["micro_batch_size"] // 2)}
-    if s["optimizer"] == "AdamW":
+    if s["optimizer"] == "AdamW" and s.get("shard_processes", 1) == 1:  # bitsandbytes' does not step sharded weights
         changes["adamw8bit"] = {"optimizer": {"class_path": "bitsandbytes.optim.AdamW8bit", "init_args": {}}}
     if not s["lora"]:
         changes["lora"] = {"lora": LoraSettings()}
+    if s.get("shard_processes", 1) > 1 and s.get("rollout_gather") != "layers":
+        changes["rollout_layers"] = {"rollout_gather": "layers"}
     if s["precision"] in ("32-true", "32"):
         changes["bf16"] = {"precision": "bf16-true"}
     assert set(changes) <= {name for name, t in TACTICS.items() if t.estimated}
@@ -150,6 +152,8 @@ def fit_report(
     if fits or not tactics:
         return fits, "\n".join(lines)
     results = _tactic_estimates(module, estimate, settings)
+    if estimate.settings.get("shard_processes", 1) == 1:
+        lines.append(_sharding_line(module, device_bytes, settings))
     every, current = 1, estimate.settings["activation_checkpointing"]
     if "activation_checkpointing" in results:  # the least checkpointing that fits, rather than every layer
         known = {current: estimate, 1: results["activation_checkpointing"][1]}
@@ -168,7 +172,9 @@ def fit_report(
             how = _checkpointing_how(how, every, layer_count(estimate.settings["config"]), current)
             verb = "set" if current else verb
         if saved <= 0:
-            lines.append(f"  - {name}: no saving, the peak stays in {other.peak_phase} ({how})")
+            lowered = [f"{p} to {format_bytes(v)}" for p, v in other.phases.items() if v < estimate.phases[p]]
+            what = f"lowers {', '.join(lowered)} but" if lowered else "no saving,"
+            lines.append(f"  - {name}: {what} the peak stays in {other.peak_phase} ({how})")
             continue
         verdict = "fits" if other.peak_bytes <= device_bytes else "still over"
         lines.append(
@@ -180,7 +186,9 @@ def fit_report(
     # no tactic is enough alone (so checkpointing is at every layer): add them up, largest saving first, until it fits
     combined: dict[str, Any] = dict(settings)
     applied: list[str] = []
-    for name in (n for n in order if results[n][0] > 0):
+    # a tactic that lowers another phase than the peak's (the rollout's gather) helps once the peak's phase is lower
+    lowers = {n for n, (_, other) in results.items() if any(v < estimate.phases[p] for p, v in other.phases.items())}
+    for name in (n for n in order if results[n][0] > 0 or n in lowers):
         combined.update(_tactics(estimate)[name])
         applied.append(name)
         if len(applied) < 2:
@@ -191,6 +199,21 @@ def fit_report(
         if together.peak_bytes <= device_bytes:
             break
     return fits, "\n".join(lines)
+
+
+def _sharding_line(module, device_bytes: int, settings: dict[str, Any], most: int = 8) -> str:
+    """The fewest devices (2, 4, ... ``most``) over which the step sharded with FSDP2 fits, each device's peak."""
+    processes, peak = 1, 0
+    while processes < most:
+        processes *= 2
+        peak = estimate_step(module, **{**settings, "shard_processes": processes}).peak_bytes
+        if peak <= device_bytes:
+            return (
+                f"sharded over {processes} devices (FSDP2): peak {format_bytes(peak)} per device, fits; add "
+                f"--trainer.strategy lit_rl.strategies.FSDP2Strategy --trainer.devices {processes} "
+                "--trainer.use_distributed_sampler false"
+            )
+    return f"sharded over {processes} devices (FSDP2): peak {format_bytes(peak)} per device, still over"
 
 
 def _checkpointing_how(how: str, every: int, layers: int, current: int = 0) -> str:

@@ -68,6 +68,12 @@ class Estimate:
             f"{'built (padded prompts)' if s['padded'] else 'skipped (no padding)'}",
             "",
         ]
+        if s.get("shard_processes", 1) > 1:
+            lines[-1:-1] = [
+                f"sharded over {s['shard_processes']} processes (FSDP2): the phase peaks are one process's (its share "
+                "of the weights, gradients and optimizer state, and the weights it gathers); the components are the "
+                "whole model's"
+            ]
         width = max(len(c.name) for c in self.components)
         shape_w = max(len(c.shape) for c in self.components)
         lines.append(f"{'component':<{width}}  {'shape':<{shape_w}}  {'bytes':>15}  {'':>10}  note")

@@ -23,20 +23,27 @@ from lit_rl.models.sharding import shard_model
 STRATEGY = "lit_rl.strategies.FSDP2Strategy"
 
 
-def sharded_processes(trainer_config: dict) -> int:
-    """How many processes a run of ``trainer_config`` shards over: devices x nodes under FSDP2Strategy, else 1."""
-    strategy = trainer_config.get("strategy")  # the instance the config builds, or its class path
-    if isinstance(strategy, dict):
-        strategy = strategy.get("class_path")
-    name = strategy if isinstance(strategy, str) else f"{type(strategy).__module__}.{type(strategy).__name__}"
+def sharding_settings(trainer_config: dict) -> dict:
+    """:func:`~lit_rl.memory.estimate_step`'s ``shard_processes`` (devices x nodes under FSDP2Strategy, else 1) and
+    ``rollout_gather`` for a run of ``trainer_config`` (a Trainer's settings, its strategy an instance or a path)."""
+    strategy = trainer_config.get("strategy")
+    path = strategy.get("class_path") if isinstance(strategy, dict) else strategy
+    name = path if isinstance(path, str) else f"{type(path).__module__}.{type(path).__name__}"
     if name != STRATEGY:
-        return 1
+        return {"shard_processes": 1}
+    if isinstance(strategy, dict):
+        gather = (strategy.get("init_args") or {}).get("rollout_gather", "auto")
+    else:
+        gather = getattr(strategy, "rollout_gather", "auto")
     devices = trainer_config.get("devices", 1)
     if isinstance(devices, (list, tuple)):
         devices = len(devices)
     if not isinstance(devices, int) and not str(devices).isdigit():
-        raise ValueError(f"trainer.devices: {devices!r}; the estimate of a sharded run needs a number of devices")
-    return int(devices) * int(trainer_config.get("num_nodes", 1) or 1)
+        raise ValueError(
+            f"trainer.devices: {devices!r}; the estimate of a sharded run needs a number: set it to the devices per "
+            "machine (and trainer.num_nodes to the machines)"
+        )
+    return {"shard_processes": int(devices) * int(trainer_config.get("num_nodes", 1) or 1), "rollout_gather": gather}
 
 
 @contextlib.contextmanager
@@ -59,13 +66,14 @@ def fake_processes(world_size: int) -> Iterator[object]:
         dist.destroy_process_group()
 
 
-def shard_method(method, mesh) -> list[torch.nn.Module]:
+def shard_method(method, mesh, rollout_gather: str = "auto") -> list[torch.nn.Module]:
     """Shard the policy and every frozen model of ``method`` as FSDP2Strategy does; returns the root units."""
     roots = []
     for name in ("policy", *getattr(method, "frozen_modules", ())):
         model = getattr(method, name, None)
         if model is not None:
-            roots.append(shard_model(model, mesh)[0])
+            gather = rollout_gather if name == "policy" else "layers"
+            roots.append(shard_model(model, mesh, rollout_gather=gather)[0])
     return roots
 
 

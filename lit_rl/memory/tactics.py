@@ -59,6 +59,12 @@ TACTICS: dict[str, Tactic] = {
             "--model.init_args.lora.r 16 (LoRA on all linear layers)",
         ),
         Tactic(
+            "rollout_layers",
+            "sharded runs (FSDP2): the rollout gathers one layer at a time instead of the whole policy; every layer "
+            "is gathered again for each token (more communication per token)",
+            "--trainer.strategy.init_args.rollout_gather layers",
+        ),
+        Tactic(
             "empty_cache",
             "return the allocator's cached memory at phase ends: CUDA's reserved-but-unused blocks (helps when the "
             "error reports much memory 'reserved but unallocated'; costs a sync and re-allocation stalls), or on CPU "

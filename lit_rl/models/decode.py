@@ -216,6 +216,7 @@ def sampling_settings(model, config) -> tuple[dict[str, Any] | None, str | None]
 def weights_are_real(model) -> bool:
     """Whether ``model``'s weights hold values (not meta or fake tensors, as in an estimate)."""
     weight = base_model(model).get_input_embeddings().weight
+    weight = weight.to_local() if hasattr(weight, "to_local") else weight  # sharded (FSDP2): this process's share
     return not (weight.is_meta or isinstance(weight, FakeTensor))
 
 

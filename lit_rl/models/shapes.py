@@ -29,6 +29,10 @@ BUILTIN_SHAPES: dict[str, dict[str, Any]] = {
         model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
         num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False, max_position_embeddings=32768,
     ),
+    "qwen2.5-32b": dict(
+        model_type="qwen2", vocab_size=152064, hidden_size=5120, intermediate_size=27648, num_hidden_layers=64,
+        num_attention_heads=40, num_key_value_heads=8, tie_word_embeddings=False, max_position_embeddings=32768,
+    ),
     "qwen3-4b": dict(
         model_type="qwen3", vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
         num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,

@@ -15,7 +15,8 @@ head tied to the embedding stays one parameter (both modules are in the unit). C
 (embedding, head, norm) stay gathered from the first forward of a step to its optimizer step.
 
 **The rollout** (:func:`gathered`): decoding runs one forward per token, which would gather every layer once per
-token. While the gathered model fits, every unit is gathered once for the whole rollout and sharded after.
+token. When the gathered model fits (``rollout_gather: auto``, the default), every unit is gathered once for the
+whole rollout and sharded after; otherwise layer by layer, as FSDP does; the run says which.
 
 **Gradients** are averaged over ranks, as DDP does. On gloo the average is done as a sum and a division
 (``set_force_sum_reduction_for_comms``): torch's gloo reduce-scatter computed AVG wrongly in some releases
@@ -25,11 +26,16 @@ token. While the gathered model fits, every unit is gathered once for the whole 
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 
+from lit_rl.models.decode import weights_are_real
 from lit_rl.models.head import ADOPTED, base_model, trunk
+
+ROLLOUT_GATHER = ("auto", "whole", "layers")
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -38,7 +44,8 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     names = set(getattr(hf, "_no_split_modules", None) or [])
     layers, inside = [], set()
     for module in hf.modules():
-        if type(module).__name__ in names and id(module) not in inside:
+        # by class name up the MRO: fully_shard gives a unit a subclass of its own (FSDPLlamaDecoderLayer)
+        if any(c.__name__ in names for c in type(module).__mro__) and id(module) not in inside:
             layers.append(module)
             inside.update(id(m) for m in module.modules())
     return layers
@@ -69,13 +76,15 @@ def is_sharded(model: torch.nn.Module | None) -> bool:
 
 
 def shard_model(
-    model: torch.nn.Module, mesh, *, offload: bool = False, mixed_precision=None
+    model: torch.nn.Module, mesh, *, offload: bool = False, rollout_gather: str = "auto"
 ) -> tuple[torch.nn.Module, int]:
     """``fully_shard`` every decoder layer of ``model`` and its trunk (the root, holding the modules beside it).
 
     Returns the root and the number of units. ``offload``: parameters, gradients and optimizer state in host memory
-    (``CPUOffloadPolicy``). ``mixed_precision``: a ``MixedPrecisionPolicy`` or ``None``.
+    (``CPUOffloadPolicy``). ``rollout_gather``: how :func:`gathered` gathers the model for a rollout.
     """
+    if rollout_gather not in ROLLOUT_GATHER:
+        raise ValueError(f"rollout_gather: {rollout_gather!r} is not one of {', '.join(ROLLOUT_GATHER)}")
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
     hf = base_model(model)
@@ -91,8 +100,6 @@ def shard_model(
     if extra:
         body.add_module(ADOPTED, torch.nn.ModuleList(extra))  # still hf's children too: one module, two names
     options = {"mesh": mesh, "offload_policy": CPUOffloadPolicy() if offload else OffloadPolicy()}
-    if mixed_precision is not None:
-        options["mp_policy"] = mixed_precision
     for layer in layers:
         fully_shard(layer, **options)
     fully_shard(body, **options)
@@ -101,19 +108,34 @@ def shard_model(
     # a step may run the trunk many times (GumbelTopK: once per token) and read the head between, in the forward
     # and in the backward: the root stays gathered until the optimizer step (FSDP2Strategy shards it again there)
     body.set_reshard_after_backward(False, recurse=False)
+    body.lit_rl_rollout_gather = rollout_gather
     return body, len(layers) + 1
 
 
-def state_key_aliases(model: torch.nn.Module, prefix: str = "") -> set[str]:
-    """State-dict keys under the trunk's adopted child: second names of modules the model already names."""
-    return {key for key in base_model(model).state_dict(prefix=prefix) if f".{ADOPTED}." in key}
+def gathered_extra_bytes(model: torch.nn.Module) -> int:
+    """Bytes a process adds to what it holds when every unit of a sharded ``model`` is gathered at once."""
+    total = 0
+    for p in base_model(model).parameters():
+        if hasattr(p, "to_local"):  # a sharded weight: the whole minus this process's share
+            total += (p.numel() - p.to_local().numel()) * p.element_size()
+    return total
+
+
+def _free_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 @contextlib.contextmanager
 def gathered(model: torch.nn.Module) -> Iterator[None]:
-    """Every unit of a sharded ``model`` gathered once for the block (the rollout), and sharded again after.
+    """A sharded ``model``'s units gathered for the block (the rollout), as ``shard_model``'s ``rollout_gather`` says.
 
-    No effect on a model that is not sharded.
+    ``whole``: every unit gathered once, and sharded again after the block (a decode loop runs one forward per
+    token, which would otherwise gather every layer once per token). ``layers``: FSDP's own rule, each layer
+    gathered for its forward (less memory: one layer at a time). ``auto``: ``whole`` when the gathered weights take
+    at most half of the device's free memory (host memory on a CPU), else ``layers``; said once. On the estimate's
+    fake tensors ``auto`` is ``whole``, the upper bound. No effect on a model that is not sharded.
     """
     if not is_sharded(model):
         yield
@@ -121,8 +143,20 @@ def gathered(model: torch.nn.Module) -> Iterator[None]:
     from torch.distributed.fsdp import FSDPModule
 
     root = trunk(base_model(model))
+    mode = getattr(root, "lit_rl_rollout_gather", "auto")
+    if mode == "auto":
+        extra = gathered_extra_bytes(model)
+        real = weights_are_real(model)
+        mode = "whole" if not real or extra <= _free_bytes(next(model.parameters()).device) / 2 else "layers"
+        _say_once(
+            f"FSDP2 rollout: the policy is gathered {'once, whole' if mode == 'whole' else 'layer by layer'} "
+            f"({extra / 2**30:.2f} GiB more per process when whole; strategy rollout_gather: auto)"
+        )
+    if mode == "layers":
+        yield
+        return
     units = [m for m in root.modules() if isinstance(m, FSDPModule)]
-    layers = [m for m in units if m is not root]  # the root keeps FSDP's own rule (gathered until its backward)
+    layers = [m for m in units if m is not root]  # the root keeps its own rule (gathered until the optimizer step)
     for unit in units:
         unit.unshard()
     for layer in layers:
@@ -134,3 +168,12 @@ def gathered(model: torch.nn.Module) -> Iterator[None]:
             layer.set_reshard_after_forward(True, recurse=False)
         for unit in units:
             unit.reshard()
+
+
+_said: set[str] = set()
+
+
+def _say_once(message: str) -> None:
+    if message not in _said:
+        _said.add(message)
+        rank_zero_info(message)

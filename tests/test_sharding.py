@@ -1,0 +1,73 @@
+"""FSDP2 units of a causal LM in one process, over processes of torch's fake backend (collectives do nothing):
+which modules are units, where the head lives, what the rollout gathers, and the estimate's reading of a config.
+tests/test_fsdp2.py checks the numbers on two real processes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lit_rl.memory.sharded import fake_processes, sharding_settings
+from lit_rl.models import ADOPTED, gather_trunk, head_spec, trunk
+from lit_rl.models.sharding import decoder_layers, gathered, is_sharded, shard_model
+from lit_rl.models.tiny import tiny_model
+
+
+def _sharded(value: torch.Tensor) -> bool:
+    return hasattr(value, "to_local")
+
+
+@pytest.fixture
+def mesh():
+    with fake_processes(2) as mesh:
+        yield mesh
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # a head tied to the embedding, and one of its own
+def test_each_layer_is_a_unit_and_the_trunk_the_root_holding_the_head(arch, mesh):
+    model = tiny_model(arch, num_layers=3)
+    body, tied = model.model, model.lm_head.weight is model.model.embed_tokens.weight
+    root, units = shard_model(model, mesh)
+    assert root is body and units == 4 and is_sharded(model)
+    assert trunk(model) is body, "the adopted head must not hide the trunk"
+    assert [n for n, _ in body.named_children()][-1] == ADOPTED
+    assert all(_sharded(p) for p in model.parameters())  # every weight is in a unit, none left whole
+    gather_trunk(model)  # as a read of the head outside a forward does
+    head = head_spec(model).weight
+    assert not _sharded(head) and head.shape == (model.config.vocab_size, model.config.hidden_size)
+    assert (head is model.model.embed_tokens.weight) == tied, "a tied head stays one parameter"
+
+
+@pytest.mark.parametrize("mode", ["whole", "layers"])
+def test_the_rollout_gathers_the_policy_once_or_layer_by_layer(mode, mesh):
+    model = tiny_model("llama", num_layers=2)
+    shard_model(model, mesh, rollout_gather=mode)
+    weights = [layer.self_attn.q_proj for layer in decoder_layers(model)]
+    with gathered(model):
+        inside = [_sharded(m.weight) for m in weights]
+    assert inside == [mode == "layers"] * 2
+    assert all(_sharded(m.weight) for m in weights), "sharded again after the rollout"
+
+
+def test_an_unknown_rollout_gather_is_refused(mesh):
+    with pytest.raises(ValueError, match="rollout_gather: 'all' is not one of auto, whole, layers"):
+        shard_model(tiny_model("llama"), mesh, rollout_gather="all")
+
+
+def test_the_estimate_reads_the_sharding_from_the_trainer_config():
+    fsdp2 = {"class_path": "lit_rl.strategies.FSDP2Strategy", "init_args": {"rollout_gather": "layers"}}
+    assert sharding_settings({"strategy": fsdp2, "devices": 4, "num_nodes": 2}) == {
+        "shard_processes": 8,
+        "rollout_gather": "layers",
+    }
+    assert sharding_settings({"strategy": "ddp", "devices": 4}) == {"shard_processes": 1}
+    with pytest.raises(ValueError, match="trainer.devices: 'auto'"):
+        sharding_settings({"strategy": fsdp2, "devices": "auto"})
+
+
+def test_auto_gathers_the_whole_policy_when_it_fits_and_says_so(mesh, caplog):
+    model = tiny_model("llama", num_layers=2)
+    shard_model(model, mesh)  # rollout_gather: auto; a few KiB against the free host memory
+    with caplog.at_level("INFO"), gathered(model):
+        assert not _sharded(decoder_layers(model)[0].self_attn.q_proj.weight)
+    assert "FSDP2 rollout: the policy is gathered once, whole" in caplog.text
