@@ -140,6 +140,26 @@ def test_two_sharded_processes_train_what_one_process_trains(method, lora, tmp_p
     assert moved > 1e-3 and params <= 1e-3 * moved  # rounding, grown by three steps (and Intuitor's per-group std)
 
 
+BF16 = ["--trainer.precision", "bf16-true", "--model.init_args.dtype", "bfloat16"]
+SETTINGS = {  # GRPO under other settings: (arguments, tolerance of gradients and weights relative to their scale)
+    "bf16": (BF16, 1e-2),  # bf16 weights: within bf16's rounding (8 bits of mantissa)
+    "bf16-lora": ([*BF16, *LORA], 1e-2),
+    "checkpointed": (["--config", str(ROOT / "callbacks" / "activation_checkpointing.yaml")], 1e-5),
+}
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_other_settings_shard_too(setting, tmp_path):
+    extra, tolerance = SETTINGS[setting]
+    one = _fit("grpo_tiny.yaml", tmp_path / "one", processes=1, batch_size=4, extra=extra)
+    two = _fit("grpo_tiny.yaml", tmp_path / "two", processes=2, batch_size=2, extra=extra)
+    scale = max(float(g.abs().max()) for g in one["grads"].values())
+    moved = _max_difference(one["start"], one["params"])
+    assert scale > 0 and moved > 1e-3
+    assert _max_difference(one["grads"], two["grads"]) <= tolerance * scale
+    assert _max_difference(one["params"], two["params"]) <= 2 * tolerance * moved
+
+
 def test_a_sharded_checkpoint_resumes_exactly_and_exports_to_one_folder(tmp_path):
     """Stop at step 2 and resume to 4 from the sharded checkpoint (a folder, one file per process) = a straight run
     to 4; ``lit-rl export`` of the resumed run's checkpoint is one Hugging Face folder with the trained weights."""

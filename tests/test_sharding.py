@@ -4,6 +4,8 @@ tests/test_fsdp2.py checks the numbers on two real processes."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -71,3 +73,18 @@ def test_auto_gathers_the_whole_policy_when_it_fits_and_says_so(mesh, caplog):
     with caplog.at_level("INFO"), gathered(model):
         assert not _sharded(decoder_layers(model)[0].self_attn.q_proj.weight)
     assert "FSDP2 rollout: the policy is gathered once, whole" in caplog.text
+
+
+def test_a_step_that_does_not_fit_one_device_gets_the_devices_it_would_fit_sharded_over():
+    from lit_rl.cli import parse_fit_config
+    from lit_rl.memory import estimate_step
+    from lit_rl.memory.fit import fit_report
+
+    module, _, _ = parse_fit_config(["--config", str(Path(__file__).resolve().parents[1] / "configs/grpo_tiny.yaml")])
+    settings = dict(batch_size=2, prompt_length=64)
+    one, two = estimate_step(module, **settings), estimate_step(module, shard_processes=2, **settings)
+    assert two.peak_bytes < one.peak_bytes
+    budget = (one.peak_bytes + two.peak_bytes) // 2
+    fits, report = fit_report(module, one, budget, settings)
+    assert not fits
+    assert "  - sharded over 2 devices (FSDP2): peak" in report and "per device, fits; add --trainer.strategy" in report

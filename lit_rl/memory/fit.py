@@ -152,8 +152,6 @@ def fit_report(
     if fits or not tactics:
         return fits, "\n".join(lines)
     results = _tactic_estimates(module, estimate, settings)
-    if estimate.settings.get("shard_processes", 1) == 1:
-        lines.append(_sharding_line(module, device_bytes, settings))
     every, current = 1, estimate.settings["activation_checkpointing"]
     if "activation_checkpointing" in results:  # the least checkpointing that fits, rather than every layer
         known = {current: estimate, 1: results["activation_checkpointing"][1]}
@@ -181,6 +179,8 @@ def fit_report(
             f"  - {name}: saves {format_bytes(saved)} -> peak {format_bytes(other.peak_bytes)} "
             f"({other.peak_phase}), {verdict}; {verb} {how}"
         )
+    if estimate.settings.get("shard_processes", 1) == 1:  # more devices instead of (or beside) a tactic
+        lines.append(_sharding_line(module, device_bytes, settings))
     if any(other.peak_bytes <= device_bytes for _, other in results.values()):
         return fits, "\n".join(lines)
     # no tactic is enough alone (so checkpointing is at every layer): add them up, largest saving first, until it fits
@@ -209,11 +209,11 @@ def _sharding_line(module, device_bytes: int, settings: dict[str, Any], most: in
         peak = estimate_step(module, **{**settings, "shard_processes": processes}).peak_bytes
         if peak <= device_bytes:
             return (
-                f"sharded over {processes} devices (FSDP2): peak {format_bytes(peak)} per device, fits; add "
+                f"  - sharded over {processes} devices (FSDP2): peak {format_bytes(peak)} per device, fits; add "
                 f"--trainer.strategy lit_rl.strategies.FSDP2Strategy --trainer.devices {processes} "
                 "--trainer.use_distributed_sampler false"
             )
-    return f"sharded over {processes} devices (FSDP2): peak {format_bytes(peak)} per device, still over"
+    return f"  - sharded over {processes} devices (FSDP2): peak {format_bytes(peak)} per device, still over"
 
 
 def _checkpointing_how(how: str, every: int, layers: int, current: int = 0) -> str:

@@ -69,10 +69,12 @@ class Estimate:
             "",
         ]
         if s.get("shard_processes", 1) > 1:
+            layers = s.get("rollout_gather") == "layers"
+            gather = "layer by layer" if layers else "the whole policy (rollout_gather auto, when it fits, or whole)"
             lines[-1:-1] = [
                 f"sharded over {s['shard_processes']} processes (FSDP2): the phase peaks are one process's (its share "
                 "of the weights, gradients and optimizer state, and the weights it gathers); the components are the "
-                "whole model's"
+                f"whole model's; the rollout gathers {gather}"
             ]
         width = max(len(c.name) for c in self.components)
         shape_w = max(len(c.shape) for c in self.components)

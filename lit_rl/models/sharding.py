@@ -148,10 +148,11 @@ def gathered(model: torch.nn.Module) -> Iterator[None]:
         extra = gathered_extra_bytes(model)
         real = weights_are_real(model)
         mode = "whole" if not real or extra <= _free_bytes(next(model.parameters()).device) / 2 else "layers"
-        _say_once(
-            f"FSDP2 rollout: the policy is gathered {'once, whole' if mode == 'whole' else 'layer by layer'} "
-            f"({extra / 2**30:.2f} GiB more per process when whole; strategy rollout_gather: auto)"
-        )
+        if real:  # an estimate predicts whole, the upper bound, and says so in its own table
+            _say_once(
+                f"FSDP2 rollout: the policy is gathered {'once, whole' if mode == 'whole' else 'layer by layer'} "
+                f"({extra / 2**30:.2f} GiB more per process when whole; strategy rollout_gather: auto)"
+            )
     if mode == "layers":
         yield
         return
