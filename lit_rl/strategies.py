@@ -21,7 +21,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lit_rl.models.sharding import shard_model
+from lit_rl.models.sharding import shard_models
 
 
 class FSDP2Strategy(ModelParallelStrategy):
@@ -64,22 +64,21 @@ class FSDP2Strategy(ModelParallelStrategy):
         super().setup_environment()
 
     @override
-    def setup(self, trainer: pl.Trainer) -> None:
-        if self.cpu_offload and self.root_device.type == "cpu":
+    def _configure_launcher(self) -> None:
+        # checked here, when the Trainer is built: before any process starts, so the refusal is said once
+        if self.cpu_offload and self.parallel_devices and self.parallel_devices[0].type == "cpu":
             raise ValueError(
                 "trainer.strategy.init_args.cpu_offload: the model already lives in host memory on a CPU run; "
                 "remove cpu_offload or set trainer.accelerator: gpu"
             )
-        module = self.lightning_module
+        super()._configure_launcher()
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
         mesh = self.device_mesh["data_parallel"]
-        units, self._roots = 0, []
-        for name in ("policy", *getattr(module, "frozen_modules", ())):
-            model = getattr(module, name, None)
-            if model is not None:
-                gather = self.rollout_gather if name == "policy" else "layers"  # frozen models do not sample
-                root, count = shard_model(model, mesh, offload=self.cpu_offload, rollout_gather=gather)
-                self._roots.append(root)
-                units += count
+        self._roots, units = shard_models(
+            self.lightning_module, mesh, offload=self.cpu_offload, rollout_gather=self.rollout_gather
+        )
         rank_zero_info(f"FSDP2: {units} units sharded over {mesh.size()} processes")
         super().setup(trainer)
 

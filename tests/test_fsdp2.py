@@ -205,7 +205,8 @@ def test_cpu_offload_on_a_cpu_run_is_refused_in_one_line(tmp_path):
         "error: trainer.strategy.init_args.cpu_offload: the model already lives in host memory on a CPU run; "
         "remove cpu_offload or set trainer.accelerator: gpu"
     )
-    assert "Traceback" not in run.stderr
+    assert "Traceback" not in run.stderr and run.stderr.count("error:") == 1, "said once, before any process starts"
+    assert not list(tmp_path.iterdir()), "nothing written"
 
 
 def test_the_estimate_of_one_sharded_process_is_what_each_process_holds(tmp_path):

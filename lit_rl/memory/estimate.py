@@ -71,11 +71,12 @@ from lit_rl.memory.phases import BACKWARD, SCRATCH_PHASES
 from lit_rl.memory.report import Component, Estimate
 from lit_rl.memory.rollout import rollout_shape
 from lit_rl.memory.shapes import BUILTIN_SHAPES, config_resolver, model_config_for
-from lit_rl.memory.sharded import fake_processes, reshard_before_steps, shard_method, sharding_settings
+from lit_rl.memory.sharded import fake_processes, reshard_before_steps, sharding_settings
 from lit_rl.memory.tracker import TensorMemoryTracker
 from lit_rl.memory.units import GIB, MIB, format_bytes, parse_bytes
 from lit_rl.models import base_model, build_on_meta, enable_activation_checkpointing
 from lit_rl.models.offload import OffloadSavedTensors
+from lit_rl.models.sharding import shard_models
 
 # ------------------------------------------------------------------------------------------------ results
 
@@ -159,7 +160,7 @@ def estimate_step(
     with processes as mesh, fake_mode(), patches(padded):  # the mesh of real tensors, made before fake mode
         method.to_empty(device="cpu")
         _tie_all(method)
-        roots = shard_method(method, mesh, rollout_gather) if mesh is not None else []
+        roots = shard_models(method, mesh, rollout_gather=rollout_gather)[0] if mesh is not None else []
         method.train()
         if activation_checkpointing:
             enable_activation_checkpointing(method.policy, activation_checkpointing)

@@ -18,8 +18,6 @@ from collections.abc import Iterator
 
 import torch
 
-from lit_rl.models.sharding import shard_model
-
 STRATEGY = "lit_rl.strategies.FSDP2Strategy"
 
 
@@ -64,17 +62,6 @@ def fake_processes(world_size: int) -> Iterator[object]:
         yield init_device_mesh("cpu", (world_size,))
     finally:
         dist.destroy_process_group()
-
-
-def shard_method(method, mesh, rollout_gather: str = "auto") -> list[torch.nn.Module]:
-    """Shard the policy and every frozen model of ``method`` as FSDP2Strategy does; returns the root units."""
-    roots = []
-    for name in ("policy", *getattr(method, "frozen_modules", ())):
-        model = getattr(method, name, None)
-        if model is not None:
-            gather = rollout_gather if name == "policy" else "layers"
-            roots.append(shard_model(model, mesh, rollout_gather=gather)[0])
-    return roots
 
 
 def reshard_before_steps(optimizer: torch.optim.Optimizer, roots: list[torch.nn.Module]) -> None:

@@ -112,6 +112,23 @@ def shard_model(
     return body, len(layers) + 1
 
 
+def shard_models(
+    method, mesh, *, offload: bool = False, rollout_gather: str = "auto"
+) -> tuple[list[torch.nn.Module], int]:
+    """Shard a method's ``policy`` and each of its ``frozen_modules`` (the reference copy, a reward model) with
+    :func:`shard_model`; frozen models do not sample, so they gather layer by layer. Returns the roots and the
+    number of units."""
+    roots, units = [], 0
+    for name in ("policy", *getattr(method, "frozen_modules", ())):
+        model = getattr(method, name, None)
+        if model is not None:
+            gather = rollout_gather if name == "policy" else "layers"
+            root, count = shard_model(model, mesh, offload=offload, rollout_gather=gather)
+            roots.append(root)
+            units += count
+    return roots, units
+
+
 def gathered_extra_bytes(model: torch.nn.Module) -> int:
     """Bytes a process adds to what it holds when every unit of a sharded ``model`` is gathered at once."""
     total = 0
