@@ -61,9 +61,10 @@ class ShardRecorder(Callback):
     """Seeds each prompt's rollout (see :func:`seeded_per_prompt`) and writes the gradients of the first step and
     the trainable weights at the end, whole (gathered from the shards), to ``out/rank<r>.pt``."""
 
-    def __init__(self, out: str) -> None:
+    def __init__(self, out: str, wrong_average: bool = False) -> None:
         self.out = Path(out)
         self.grads: dict[str, torch.Tensor] = {}
+        self.wrong_average = wrong_average  # the negative control: gradients summed over processes, not averaged
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         import lit_rl.methods.grpo as grpo
@@ -75,6 +76,12 @@ class ShardRecorder(Callback):
         return [(n, p) for n, p in named if p.requires_grad and ALIAS not in n.split(".")]
 
     def on_train_start(self, trainer, pl_module) -> None:
+        if self.wrong_average:
+            from torch.distributed.fsdp import FSDPModule
+
+            for module in pl_module.modules():
+                if isinstance(module, FSDPModule):
+                    module.set_gradient_divide_factor(1.0)
         self.start = {n: _full(p) for n, p in self._named(pl_module)}
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
@@ -95,9 +102,11 @@ LORA = ["--model.init_args.lora", "{r: 4, alpha: 8, target_modules: all-linear}"
 SGD = ["--optimizer", "torch.optim.SGD", "--model.init_args.learning_rate", "0.5"]
 
 
-def _fit(config: str, out: Path, *, processes: int, batch_size: int, extra: list[str], strategy="fsdp2") -> dict:
+def _fit(
+    config: str, out: Path, *, processes: int, batch_size: int, extra: list[str], strategy="fsdp2", wrong=False
+) -> dict:
     out.mkdir()
-    recorder = {"class_path": "test_fsdp2.ShardRecorder", "init_args": {"out": str(out)}}
+    recorder = {"class_path": "test_fsdp2.ShardRecorder", "init_args": {"out": str(out), "wrong_average": wrong}}
     trainer = {"accelerator": "cpu", "devices": processes, "use_distributed_sampler": False, "max_steps": STEPS,
                "limit_val_batches": 0, "enable_progress_bar": False, "enable_model_summary": False,
                "enable_checkpointing": False, "logger": False, "callbacks": [recorder],
@@ -138,6 +147,16 @@ def test_two_sharded_processes_train_what_one_process_trains(method, lora, tmp_p
     )
     assert grads <= 1e-5 * scale
     assert moved > 1e-3 and params <= 1e-3 * moved  # rounding, grown by three steps (and Intuitor's per-group std)
+
+
+def test_the_comparison_fails_when_the_processes_sum_their_gradients(tmp_path):
+    """The negative control: a reduction that sums instead of averaging (as a wrong gloo AVG would scale them) is
+    caught by the first-step gradients, and by the weights (plain SGD is linear in the gradients)."""
+    one = _fit("grpo_tiny.yaml", tmp_path / "one", processes=1, batch_size=4, extra=[])
+    two = _fit("grpo_tiny.yaml", tmp_path / "two", processes=2, batch_size=2, extra=[], wrong=True)
+    scale = max(float(g.abs().max()) for g in one["grads"].values())
+    assert _max_difference(one["grads"], two["grads"]) > 0.5 * scale
+    assert _max_difference(one["params"], two["params"]) > 0.1 * _max_difference(one["start"], one["params"])
 
 
 BF16 = ["--trainer.precision", "bf16-true", "--model.init_args.dtype", "bfloat16"]
