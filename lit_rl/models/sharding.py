@@ -138,10 +138,21 @@ def gathered_extra_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def _free_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+def _least_free_bytes(model: torch.nn.Module) -> float:
+    """The free memory of the device the sharded ``model`` gathers to (host memory on a CPU), the least over its
+    processes: every process must choose the same way to gather, or their collectives would not match."""
+    import torch.distributed as dist
+
+    mesh = next(p.device_mesh for p in base_model(model).parameters() if hasattr(p, "device_mesh"))
+    if mesh.device_type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+        free = torch.cuda.mem_get_info(device)[0]
+    else:
+        device = torch.device("cpu")
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    least = torch.tensor([float(free)], dtype=torch.float64, device=device)
+    dist.all_reduce(least, op=dist.ReduceOp.MIN, group=mesh.get_group())
+    return float(least)
 
 
 @contextlib.contextmanager
@@ -151,7 +162,8 @@ def gathered(model: torch.nn.Module) -> Iterator[None]:
     ``whole``: every unit gathered once, and sharded again after the block (a decode loop runs one forward per
     token, which would otherwise gather every layer once per token). ``layers``: FSDP's own rule, each layer
     gathered for its forward (less memory: one layer at a time). ``auto``: ``whole`` when the gathered weights take
-    at most half of the device's free memory (host memory on a CPU), else ``layers``; said once. On the estimate's
+    at most half of the device's free memory (host memory on a CPU; the least over the processes), else ``layers``;
+    said once. On the estimate's
     fake tensors ``auto`` is ``whole``, the upper bound. No effect on a model that is not sharded.
     """
     if not is_sharded(model):
@@ -164,7 +176,7 @@ def gathered(model: torch.nn.Module) -> Iterator[None]:
     if mode == "auto":
         extra = gathered_extra_bytes(model)
         real = weights_are_real(model)
-        mode = "whole" if not real or extra <= _free_bytes(next(model.parameters()).device) / 2 else "layers"
+        mode = "whole" if not real or extra <= _least_free_bytes(model) / 2 else "layers"
         if real:  # an estimate predicts whole, the upper bound, and says so in its own table
             _say_once(
                 f"FSDP2 rollout: the policy is gathered {'once, whole' if mode == 'whole' else 'layer by layer'} "
