@@ -43,6 +43,8 @@ def quiet_lightning() -> None:
       (Lightning's own code, nothing a user can act on), matched by category and module as torch does itself;
     - the ``FutureWarning`` transformers >= 5.24 raises when peft reads ``is_gradient_checkpointing`` while it wraps
       a model for LoRA (peft's code, not the run's);
+    - in sharded runs, torch's deprecation of the ``all_gather`` Lightning calls, and torch's notice that a sharded
+      ``last.ckpt`` folder is overwritten (each save of ``save_last`` does that);
     - bitsandbytes' warning, on import (peft imports it for every LoRA run once it is installed), that the optional
       ``kernels`` package with a faster CPU decode kernel is absent: lit-rl never uses that kernel.
     """
@@ -52,6 +54,10 @@ def quiet_lightning() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"lightning\.pytorch\.utilities\._pytree")
     # peft reads `model.is_gradient_checkpointing` when it wraps a model, a property transformers >= 5.24 deprecates
     warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+    # sharded runs: Lightning's all_gather (the metrics' mean, the RNG states) calls a torch function torch 2.13
+    # deprecates, and each save of a sharded last.ckpt overwrites the folder, which is what save_last asks for
+    warnings.filterwarnings("ignore", message=r"torch\.distributed\.nn\.functional\.all_gather is deprecated")
+    warnings.filterwarnings("ignore", message=r"Detected an existing checkpoint in .*, overwriting since")
     bnb = logging.getLogger("bitsandbytes.backends.cpu.ops")
     if not any(isinstance(f, _DropOptionalKernelNotice) for f in bnb.filters):
         bnb.addFilter(_DropOptionalKernelNotice())

@@ -119,6 +119,8 @@ def _fit(
             "--data.init_args.batch_size", str(batch_size), *SGD, *extra]  # fmt: skip
     run = subprocess.run([sys.executable, "-m", "lit_rl", *args], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
+    for noise in ("all_gather is deprecated", "overwriting since"):  # filtered by lit_rl.cli_noise
+        assert noise not in run.stderr, f"a sharded run printed {noise!r}"
     return torch.load(out / "rank0.pt", weights_only=True)
 
 
