@@ -116,6 +116,23 @@ def logit_transform(config) -> tuple[float, float | None]:
     return scale, softcap
 
 
+def beside_the_way(model, target: torch.nn.Module, leave_out: torch.nn.Module | None = None) -> list | None:
+    """The children with parameters of every module on the way from ``model`` down to ``target`` that are off that
+    way (``leave_out`` left out too); ``None`` when ``target`` is not below ``model``."""
+    found, parent = [], model
+    while parent is not target:
+        onward = None
+        for child in parent.children():
+            if any(m is target for m in child.modules()):
+                onward = child
+            elif child is not leave_out and any(True for _ in child.parameters()):
+                found.append(child)
+        if onward is None:
+            return None
+        parent = onward
+    return found
+
+
 def head_transform(model) -> torch.nn.Module | None:
     """The module between the trunk and the LM head, if the model has exactly one (with parameters).
 
@@ -124,19 +141,8 @@ def head_transform(model) -> torch.nn.Module | None:
     parity check then refuses the model).
     """
     hf = base_model(model)
-    head, body = hf.get_output_embeddings(), trunk(hf)
-    found, parent = [], hf
-    while parent is not head:
-        onward = None
-        for child in parent.children():
-            if any(m is head for m in child.modules()):
-                onward = child
-            elif child is not body and any(True for _ in child.parameters()):
-                found.append(child)
-        if onward is None:
-            return None
-        parent = onward
-    return found[0] if len(found) == 1 else None
+    found = beside_the_way(hf, hf.get_output_embeddings(), leave_out=trunk(hf))
+    return found[0] if found is not None and len(found) == 1 else None
 
 
 def head_spec(model) -> HeadSpec:

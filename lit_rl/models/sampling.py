@@ -13,13 +13,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from lightning.pytorch.utilities import rank_zero_info
 from transformers import GenerationConfig
 
 from lit_rl.models.cache_keyword import cache_kwargs
 from lit_rl.models.compiled_decode import compiled_decode
 from lit_rl.models.decode import decode, sampling_settings, weights_are_real
 from lit_rl.models.merged_lora import lora_merged
+from lit_rl.models.notices import say_once
 from lit_rl.models.sharding import gathered
 from lit_rl.models.shared_prompt import shared_prefill
 
@@ -64,7 +64,7 @@ def sample_completions(
     if own_decode and weights_are_real(policy):
         settings, reason = sampling_settings(policy, config)
         if reason is not None:
-            _say_once(f"model.decode: transformers' generate for these completions, {reason}")
+            say_once(f"model.decode: transformers' generate for these completions, {reason}")
     was_training = policy.training
     policy.eval()
     try:
@@ -108,19 +108,10 @@ def rollout_sampler(policy, *, dtype: str = "same", lora: str = "adapters") -> I
         if lora == "merged":
             merged, left = stack.enter_context(lora_merged(policy))
             if left:
-                _say_once(
+                say_once(
                     f"model.rollout_lora: merged: {left} of {merged + left} LoRA layers run their adapters in the "
                     "rollout (a quantized base, a LoRA variant or an adapter bias has no merged weight here)"
                 )
             elif not merged:
-                _say_once("model.rollout_lora: merged has no effect: the policy has no LoRA layers")
+                say_once("model.rollout_lora: merged has no effect: the policy has no LoRA layers")
         yield
-
-
-_said: set[str] = set()
-
-
-def _say_once(message: str) -> None:
-    if message not in _said:
-        _said.add(message)
-        rank_zero_info(message)

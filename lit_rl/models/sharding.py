@@ -30,10 +30,10 @@ import os
 from collections.abc import Iterator
 
 import torch
-from lightning.pytorch.utilities import rank_zero_info
 
 from lit_rl.models.decode import weights_are_real
-from lit_rl.models.head import ADOPTED, base_model, trunk
+from lit_rl.models.head import ADOPTED, base_model, beside_the_way, trunk
+from lit_rl.models.notices import say_once
 
 ROLLOUT_GATHER = ("auto", "whole", "layers")
 
@@ -54,19 +54,7 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 def beside_trunk(model: torch.nn.Module) -> list[torch.nn.Module]:
     """Modules with parameters that are neither in the trunk nor above it (the LM head, a score head)."""
     hf = base_model(model)
-    body = trunk(hf)
-    found, parent = [], hf
-    while parent is not body:
-        onward = None
-        for child in parent.children():
-            if any(m is body for m in child.modules()):
-                onward = child
-            elif any(True for _ in child.parameters()):
-                found.append(child)
-        if onward is None:
-            break
-        parent = onward
-    return found
+    return beside_the_way(hf, trunk(hf)) or []
 
 
 def is_sharded(model: torch.nn.Module | None) -> bool:
@@ -178,7 +166,7 @@ def gathered(model: torch.nn.Module) -> Iterator[None]:
         real = weights_are_real(model)
         mode = "whole" if not real or extra <= _least_free_bytes(model) / 2 else "layers"
         if real:  # an estimate predicts whole, the upper bound, and says so in its own table
-            _say_once(
+            say_once(
                 f"FSDP2 rollout: the policy is gathered {'once, whole' if mode == 'whole' else 'layer by layer'} "
                 f"({extra / 2**30:.2f} GiB more per process when whole; strategy rollout_gather: auto)"
             )
@@ -198,12 +186,3 @@ def gathered(model: torch.nn.Module) -> Iterator[None]:
             layer.set_reshard_after_forward(True, recurse=False)
         for unit in units:
             unit.reshard()
-
-
-_said: set[str] = set()
-
-
-def _say_once(message: str) -> None:
-    if message not in _said:
-        _said.add(message)
-        rank_zero_info(message)
