@@ -56,7 +56,7 @@ from lit_rl.models import (
     soft_embeddings,
     trunk,
 )
-from lit_rl.ops import gumbel_softmax_topk, kl_divergence
+from lit_rl.ops import GradientSink, gumbel_softmax_topk, kl_divergence
 from lit_rl.reward_model import shipped_head_file
 
 EMBEDDED_REWARD = "embedded"
@@ -306,6 +306,11 @@ class GumbelTopK(RLMethod):
         positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)  # [b, P]
         head = head_spec(self.policy)
         eos = self.eos_tensor(head.weight.shape[0], prompt_ids.device)
+        # the head (and the input embedding) is read at every token: each read's weight gradient is summed in one
+        # buffer instead of a new [V, H] tensor per read (lit_rl/ops/gradient_sink.py)
+        sink = GradientSink.of(head.weight)
+        embedding = self.policy.get_input_embeddings().weight
+        embedding_sink = sink if embedding is head.weight else GradientSink.of(embedding)
         policy = PolicyStepper(self, prompt_ids, prompt_mask, positions, grad=first_grad == 0)
         reference = ReferenceStepper(self, prompt_ids, prompt_mask, positions) if hp.beta > 0 else None
         weights, indices, tokens, masks, kls, masses = [], [], [], [], [], []
@@ -313,7 +318,7 @@ class GumbelTopK(RLMethod):
         hidden = policy.hidden  # [b, H] predicts the first completion token
         for t in range(c):
             with torch.set_grad_enabled(t >= first_grad):
-                policy_logits = _at_least_float32(head.logits(hidden)) / hp.temperature  # [b, V]
+                policy_logits = _at_least_float32(head.logits(hidden, sink)) / hp.temperature  # [b, V]
                 logits = policy_logits.index_fill(-1, eos, float("-inf")) if t < hp.min_new_tokens else policy_logits
                 # the noise is drawn over the whole vocabulary, so top-k with k = V and a full-vocabulary baseline
                 # (bench/gumbel_legacy.py, the tests' float64 reference) see the same draw; float32 whatever the
@@ -331,9 +336,10 @@ class GumbelTopK(RLMethod):
                 if reference is not None:
                     ref_head = reference.head
                     kl = kl_divergence(
-                        head.features(hidden), head.weight, reference.features, ref_head.weight,
-                        temperature=hp.temperature, bias_p=head.bias, scale_p=head.scale, softcap_p=head.softcap,
-                        bias_q=ref_head.bias, scale_q=ref_head.scale, softcap_q=ref_head.softcap,
+                        head.features(hidden), head.weight if sink is None else sink.weight, reference.features,
+                        ref_head.weight, temperature=hp.temperature, bias_p=head.bias, scale_p=head.scale,
+                        softcap_p=head.softcap, bias_q=ref_head.bias, scale_q=ref_head.scale,
+                        softcap_q=ref_head.softcap, sink_p=sink,
                     )  # fmt: skip
                     kls.append(kl * alive)  # [b]
                 weights.append(w)
@@ -343,7 +349,7 @@ class GumbelTopK(RLMethod):
                 if t + 1 == c or not alive.any():
                     break
                 policy.grad = t + 1 >= first_grad
-                hidden = policy.step(self.soft_embedding(w, idx))  # [b, H]
+                hidden = policy.step(self.soft_embedding(w, idx, embedding_sink))  # [b, H]
             if reference is not None:
                 reference.step(token)
         mask = torch.stack(masks, 1)  # [b, C']
@@ -360,10 +366,17 @@ class GumbelTopK(RLMethod):
             stop=(weights * torch.isin(indices, eos)).sum(-1),  # [b, C']
         )
 
-    def soft_embedding(self, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        """``[b, 1, H]``: a weighted gather of k embedding rows (``weights``, ``indices``: ``[b, k]``)."""
+    def soft_embedding(
+        self, weights: torch.Tensor, indices: torch.Tensor, sink: GradientSink | None = None
+    ) -> torch.Tensor:
+        """``[b, 1, H]``: a weighted gather of k embedding rows (``weights``, ``indices``: ``[b, k]``); ``sink``: the
+        embedding weight's :class:`~lit_rl.ops.GradientSink` (the tied head's), which then takes the rows' gradient."""
         gather_trunk(self.policy)  # the embedding is called outside the trunk's forward (sharded: gathered first)
-        rows = self.policy.get_input_embeddings()(indices)  # [b, k, H]
+        embedding = self.policy.get_input_embeddings()
+        if sink is not None and torch.is_grad_enabled() and embedding.max_norm is None and not embedding.sparse:
+            rows = sink.embedding(indices, embedding.padding_idx)  # [b, k, H]
+        else:
+            rows = embedding(indices)  # [b, k, H]
         return (weights.to(rows.dtype)[..., None] * rows).sum(1, keepdim=True)  # [b, 1, H]
 
 

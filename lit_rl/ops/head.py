@@ -48,9 +48,17 @@ class HeadSpec:
         """The head's input ``[..., E]`` from the trunk's hidden states ``[..., H]``."""
         return self.transform(hidden) if self.transform is not None else hidden
 
-    def logits(self, hidden: Tensor) -> Tensor:
-        """The model's logits ``[..., V]`` from trunk hidden states, materialised (one position at a time only)."""
-        z = torch.nn.functional.linear(self.features(hidden), self.weight, self.bias)  # [..., V]
+    def logits(self, hidden: Tensor, sink=None) -> Tensor:
+        """The model's logits ``[..., V]`` from trunk hidden states, materialised (one position at a time only).
+
+        ``sink``: a :class:`~lit_rl.ops.gradient_sink.GradientSink` of ``weight``, which then takes its gradient.
+        """
+        features = self.features(hidden)
+        if sink is None:
+            z = torch.nn.functional.linear(features, self.weight, self.bias)  # [..., V]
+        else:
+            z = sink.linear(features)  # [..., V]
+            z = z + self.bias.to(z.dtype) if self.bias is not None else z
         if self.scale != 1.0:
             z = z * self.scale
         if self.softcap is not None:

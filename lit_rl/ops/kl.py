@@ -45,6 +45,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from lit_rl.ops import token_math
+from lit_rl.ops.gradient_sink import GradientSink
 from lit_rl.ops.head import chain_, check_transform, softcap_slope
 from lit_rl.ops.token_math import block_logits, plan_chunks
 
@@ -76,13 +77,19 @@ def _head_rows(
 class _HeadGrads:
     """Gradient accumulators of one side (hidden state, weight, bias), filled one vocabulary block at a time."""
 
-    def __init__(self, hidden: Tensor, weight: Tensor, bias: Tensor | None, needs, cdtype: torch.dtype) -> None:
+    def __init__(
+        self, hidden: Tensor, weight: Tensor, bias: Tensor | None, needs, cdtype: torch.dtype, sink=None
+    ) -> None:
         need_h, need_w, need_b = needs
         dev = hidden.device
         # a weight in the compute dtype accumulates straight into its gradient; others through a float32 block
         self.direct = weight.dtype == cdtype
+        self.sink = sink  # a GradientSink: the weight's gradient is added into its buffer, not returned
         self.gh = torch.zeros(hidden.shape, dtype=cdtype, device=dev) if need_h else None  # [N, H]
-        self.gw = (torch.zeros_like(weight) if self.direct else torch.empty_like(weight)) if need_w else None  # [V, H]
+        if sink is not None:
+            self.gw = sink.buffer()  # [V, H]
+        else:
+            self.gw = (torch.zeros_like(weight) if self.direct else torch.empty_like(weight)) if need_w else None
         self.gb = torch.zeros(weight.shape[0], dtype=cdtype, device=dev) if need_b else None  # [V]
         self.block = None
 
@@ -103,14 +110,17 @@ class _HeadGrads:
     def close(self, v0: int, v1: int) -> None:
         """Write the finished weight block's gradient."""
         if self.gw is not None and not self.direct:
-            self.gw[v0:v1] = self.block
+            if self.sink is not None:
+                self.gw[v0:v1] += self.block
+            else:
+                self.gw[v0:v1] = self.block
         self.block = None
 
     def result(self, hidden: Tensor, bias: Tensor | None) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
         """``(grad_hidden, grad_weight, grad_bias)`` in the inputs' dtypes, ``None`` where not needed."""
         gh = self.gh.to(hidden.dtype) if self.gh is not None else None
         gb = self.gb.to(bias.dtype) if self.gb is not None else None
-        return gh, self.gw, gb
+        return gh, (self.gw if self.sink is None else None), gb
 
 
 class _KLFn(torch.autograd.Function):
@@ -130,6 +140,8 @@ class _KLFn(torch.autograd.Function):
         vc: int,
         head_p: tuple[float, float | None],  # (scale, softcap)
         head_q: tuple[float, float | None],
+        sink_p=None,  # a GradientSink of weight_p (then weight_p is its detached weight)
+        anchor: Tensor | None = None,  # the sink's anchor, so that the sink's backward waits for this one
     ) -> Tensor:
         n, v = hidden_p.shape[0], weight_p.shape[0]
         cdtype = torch.float32
@@ -164,6 +176,7 @@ class _KLFn(torch.autograd.Function):
 
         ctx.save_for_backward(hidden_p, weight_p, bias_p, hidden_q, weight_q, bias_q, lse_p, lse_q, mean_d)
         ctx.temperature, ctx.tc, ctx.vc, ctx.head_p, ctx.head_q = temperature, tc, vc, head_p, head_q
+        ctx.sink_p = sink_p
         return kl
 
     @staticmethod
@@ -177,15 +190,17 @@ class _KLFn(torch.autograd.Function):
             ctx.head_p,
             ctx.head_q,
         )
+        sink = ctx.sink_p
         needs = ctx.needs_input_grad
-        need_p, need_q = any(needs[0:3]), any(needs[3:6])
+        need_p, need_q = any(needs[0:3]) or sink is not None, any(needs[3:6])
+        anchor_grad = grad_kl.new_zeros(0) if sink is not None and grad_kl is not None else None
         if grad_kl is None or not (need_p or need_q):
-            return (None,) * 11
+            return (None,) * 12 + (anchor_grad,)
 
         n, v = hidden_p.shape[0], weight_p.shape[0]
         cdtype = lse_p.dtype
         g = grad_kl.to(cdtype)  # [N]; chain_ takes each block through temperature, scale and softcap
-        acc_p = _HeadGrads(hidden_p, weight_p, bias_p, needs[0:3], cdtype)
+        acc_p = _HeadGrads(hidden_p, weight_p, bias_p, needs[0:3], cdtype, sink)
         acc_q = _HeadGrads(hidden_q, weight_q, bias_q, needs[3:6], cdtype)
         with torch.autocast(hidden_p.device.type, enabled=False):
             for v0 in range(0, v, vc):
@@ -216,7 +231,8 @@ class _KLFn(torch.autograd.Function):
                     del zp, zq, p, d, q, dzp, dzq, slope_p, slope_q  # free this block before the next is allocated
                 acc_p.close(v0, v1)
                 acc_q.close(v0, v1)
-        return *acc_p.result(hidden_p, bias_p), *acc_q.result(hidden_q, bias_q), None, None, None, None, None
+        gp, gq = acc_p.result(hidden_p, bias_p), acc_q.result(hidden_q, bias_q)
+        return *gp, *gq, None, None, None, None, None, None, anchor_grad
 
 
 def kl_divergence(
@@ -233,6 +249,7 @@ def kl_divergence(
     scale_q: float = 1.0,
     softcap_q: float | None = None,
     chunk_size: int | None = None,
+    sink_p: GradientSink | None = None,
     _vocab_chunk: int | None = None,
 ) -> Tensor:
     """Per-row full-vocabulary KL(p || q) from two hidden states and LM heads, without materialising logits.
@@ -256,6 +273,9 @@ def kl_divergence(
         chunk_size: rows (tokens) per block; ``None`` chooses token and vocabulary blocks so that the three
             live float32 blocks stay within token_math's 64 MiB budget. Given, the vocabulary block is chosen
             to keep that budget.
+        sink_p: a :class:`~lit_rl.ops.gradient_sink.GradientSink` of the policy head's weight; then ``weight_p`` is
+            ``sink_p.weight`` and its gradient is added into the sink instead of returned (a rollout that reads
+            the head at every token sums the weight's gradient in one buffer).
         _vocab_chunk: vocabulary rows per block (tests); ``None`` chooses it from the budget.
 
     Returns:
@@ -292,5 +312,10 @@ def kl_divergence(
     tc, vc = plan_chunks(n, v, h, chunk_size, _vocab_chunk, budget)
     head_p = (float(scale_p), None if softcap_p is None else float(softcap_p))
     head_q = (float(scale_q), None if softcap_q is None else float(softcap_q))
-    kl = _KLFn.apply(flat_p, weight_p, bias_p, flat_q, weight_q, bias_q, float(temperature), tc, vc, head_p, head_q)
+    if sink_p is not None and weight_p is not sink_p.weight:
+        raise ValueError("sink_p: weight_p must be sink_p.weight, the weight the sink collects the gradient of")
+    anchor = sink_p.anchor if sink_p is not None else None
+    kl = _KLFn.apply(
+        flat_p, weight_p, bias_p, flat_q, weight_q, bias_q, float(temperature), tc, vc, head_p, head_q, sink_p, anchor
+    )
     return kl.reshape(lead)
