@@ -39,8 +39,8 @@ import yaml
 from lit_rl.memory.estimate import Estimate, copy_method, estimate_step
 from lit_rl.memory.fit import checkpointed_layers, layer_count, least_checkpointing
 from lit_rl.memory.machine_rates import load_rates, measure_rates
-from lit_rl.memory.roofline import ModelShape, StepSettings, floor, phase_work
 from lit_rl.memory.units import format_bytes
+from lit_rl.memory.work import ModelShape, StepSettings, floor, phase_work
 
 #: tactics that change the numbers a step computes, searched only when ``--allow`` names them
 CHANGES_ARITHMETIC = {

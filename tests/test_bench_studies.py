@@ -69,11 +69,15 @@ def _checkpointing(column: dict[str, tuple[str, ...]], arms: list[str], text: st
 
 def _roofline(column: dict[str, tuple[str, ...]], arms: list[str], text: str) -> None:
     """Each run's phases sum to a measured step with a floor below it; a phase table per run, the rates table."""
-    assert arms == ["default", "lora256"]
+    assert arms == ["default", "lora256", "gumbel_topk"]
     assert all(float(s) > float(f) > 0 for s, f in zip(column["measured step s"], column["floor s"])), column
-    assert text.count("| phase | measured s |") == 2 and "| bfloat16 | " in text
-    for phase in ("rollout", "reference", "policy_forward", "backward", "optimizer"):
+    assert text.count("| phase | measured s |") == 3 and "| bfloat16 | " in text
+    for phase in ("rollout", "reference", "policy_forward"):
         assert text.count(f"| {phase} | ") == 2, phase
+    for phase in ("generate", "reward"):  # GumbelTopK's differentiable rollout, modelled too
+        assert text.count(f"| {phase} | ") == 1, phase
+    for phase in ("backward", "optimizer"):
+        assert text.count(f"| {phase} | ") == 3, phase
 
 
 def _qlora(column: dict[str, tuple[str, ...]], arms: list[str], text: str) -> None:

@@ -22,18 +22,10 @@ from lit_rl.data import PromptDataModule
 from lit_rl.losses import LossSettings
 from lit_rl.memory.machine_rates import best_of, load_rates, measure_rates, save_rates
 from lit_rl.memory.rollout import step_work
-from lit_rl.memory.roofline import (
-    ModelShape,
-    PhaseRoofline,
-    StepSettings,
-    floor,
-    phase_table,
-    phase_work,
-    rerate,
-    summary_line,
-)
+from lit_rl.memory.roofline import PhaseRoofline, phase_table, rerate, summary_line
+from lit_rl.memory.work import ModelShape, StepSettings, floor, phase_work
 from lit_rl.methods import GumbelTopK, Intuitor, RefCachedGRPO
-from lit_rl.models import lm_head, trunk
+from lit_rl.models import LoraSettings, lm_head, trunk
 from lit_rl.models.checkpointing import enable_activation_checkpointing
 from lit_rl.models.shared_prompt import shared_prompt_hidden
 from lit_rl.models.tiny import tiny_config
@@ -179,6 +171,55 @@ def test_lora_update_skips_the_frozen_weight_gradients(checkpointing):
     assert work["reference"][0].flops == forward - 2 * ids.numel() * adapters  # the reference runs without adapters
 
 
+@pytest.mark.parametrize("lora", [False, True])
+def test_differentiable_rollout_flops_equal_the_counted_flops(lora):
+    """GumbelTopK's generate, reward and backward as torch counts them, against the work its step_work() declares."""
+    method = GumbelTopK(
+        name_or_path="tiny:llama", reward_model="tiny:llama", max_new_tokens=4, min_new_tokens=4,
+        lora=LoraSettings(r=4, alpha=8) if lora else None,
+    )  # fmt: skip
+    method.setup("fit")
+    method.configure_model()
+    for model in (method.policy, method.reference, method.reward_model):  # attention as matmuls torch counts
+        if model is not None:
+            model.set_attn_implementation("eager")
+    torch.manual_seed(0)
+    b, p = 3, 7
+    ids, mask = torch.randint(3, 90, (b, p)), torch.ones(b, p, dtype=torch.long)
+    mapping = MAPPING
+    counted = {}
+    with FlopCounterMode(display=False, custom_mapping=mapping) as fc:
+        rollout = method.soft_rollout(ids, mask, 0.5)
+    counted["generate"] = fc.get_total_flops()
+    with FlopCounterMode(display=False, custom_mapping=mapping) as fc:
+        reward = method.score(ids, mask, rollout)
+    counted["reward"] = fc.get_total_flops()
+    loss = (method.hparams.beta * rollout.kl.sum(1) - reward).mean()
+    with FlopCounterMode(display=False, custom_mapping=mapping) as fc:
+        loss.backward()
+    counted["backward"] = fc.get_total_flops()
+
+    c = rollout.tokens.shape[1]
+    shape = ModelShape.from_config(method.policy.config)
+    trainable = sum(x.numel() for x in method.policy.parameters() if x.requires_grad)
+    settings = StepSettings.of(
+        step_work(method), trainable=trainable, prompts=b, generations=1, prompt_length=p, new_tokens=c
+    )
+    work = {name: sum(x.flops for x in parts) for name, parts in phase_work(shape, settings).items()}
+    assert list(work) == ["generate", "reward", "backward", "optimizer"]
+    h, head = shape.hidden, 2 * b * shape.head_weights
+    score_head = 2 * b * c * h  # the reward model's score head on the completion tokens: not counted
+    # the KL computes the policy's logits again beside the sampling step's (the least work computes them once)
+    assert counted["generate"] == work["generate"] + c * head
+    assert counted["reward"] == work["reward"] + score_head
+    # a LoRA prefill computes no input gradient for the first layer's q, k, v projections (its input is a frozen
+    # embedding), which the count includes as a sampled step's backward does; their adapters' neither
+    layer = method.policy.base_model.model.model.layers[0] if lora else None
+    qkv = [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj] if lora else []
+    skipped = sum(2 * b * p * (m.base_layer.weight.numel() + m.lora_A["default"].weight.numel()) for m in qkv)
+    assert counted["backward"] == work["backward"] - skipped + score_head
+
+
 def test_optimizer_bytes_are_adamw_state_gradients_and_parameters():
     model = _model()
     params = list(model.parameters())
@@ -265,10 +306,14 @@ def test_each_method_declares_the_passes_the_roofline_counts(cls, options, refer
     assert (work.reference_pass, work.scoring_passes, work.iterations) == (reference, scoring, iterations)
     assert (work.micro_batch, work.adapters, work.clip) == (2, False, False)
     assert work.share_prompt == getattr(method, "share_prompt", False)
+    soft = work.differentiable  # GumbelTopK's rollout is differentiated through; its scorer is known once loaded
+    assert (soft is not None) == (cls is GumbelTopK)
+    if soft is not None:
+        assert (soft.top_k, soft.scorer, soft.recompute_steps, soft.grad_window) == (256, None, False, None)
 
 
-def _fit(tmp_path, rates):
-    method = RefCachedGRPO(name_or_path="tiny:llama", num_generations=2, max_new_tokens=4)
+def _fit(tmp_path, rates, method=None):
+    method = method or RefCachedGRPO(name_or_path="tiny:llama", num_generations=2, max_new_tokens=4)
     data = PromptDataModule(num_prompts=64, batch_size=2, max_prompt_length=64, val_size=0)
     profiler = MemoryProfiler(predict=False, track_tensors=False, rates=rates)
     trainer = L.Trainer(
@@ -306,6 +351,14 @@ def test_profiler_summary_puts_each_phase_time_beside_its_floor(tmp_path, lightn
     assert measured["rates"]["source"].startswith("measured") and measured["phases"]["backward"]["floor_s"] > 0
     _, off = _fit(tmp_path / "off", None)
     assert off == {"skipped": "turned off (rates: null)"}
+
+    # a differentiable rollout's own phases, each beside its floor
+    method = GumbelTopK(name_or_path="tiny:llama", reward_model="tiny:llama", max_new_tokens=4)
+    _, soft = _fit(tmp_path / "soft", str(path), method)
+    assert list(soft["phases"]) == ["generate", "reward", "backward", "optimizer"]
+    assert all(e["floor_s"] > 0 and e["achieved"] > 0 for e in soft["phases"].values())
+    assert soft["settings"]["soft_topk"] == 256 and soft["settings"]["scorer"]["layers"] == 2
+    assert rerate(soft, load_rates(path), str(path)) == soft
     save_rates({**rates, "device": "cuda"}, path)
     _, other = _fit(tmp_path / "cuda", str(path))
     assert "cuda rates" in other["skipped"] and "trains on cpu" in other["skipped"]

@@ -9,7 +9,8 @@ a method's hyper-parameters by name. The memory tools read them through :func:`r
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,26 @@ def rollout_shape(method) -> RolloutShape:
 
 
 @dataclass(frozen=True)
+class DifferentiableRollout:
+    """A rollout the loss is differentiated through (GumbelTopK): soft tokens fed back into the policy and into a
+    model that scores them, the reference advancing beside the policy on the hard tokens. Its phases are
+    ``generate``, ``reward``, ``backward`` and ``optimizer`` (:mod:`lit_rl.memory.work` counts them).
+
+    Args:
+        top_k: embedding rows a soft token mixes.
+        scorer: the config of the model that scores the soft completion (its ``num_hidden_layers`` the layers it
+            runs), or ``None`` when no model does.
+        recompute_steps: each policy step is recomputed in the backward (one more forward of it).
+        grad_window: only the last this-many tokens are differentiated; ``None``: all.
+    """
+
+    top_k: int
+    scorer: Any = field(default=None, compare=False)
+    recompute_steps: bool = False
+    grad_window: int | None = None
+
+
+@dataclass(frozen=True)
 class StepWork:
     """The passes a training step makes over its rollout, and the settings that size them, for the roofline.
 
@@ -71,6 +92,8 @@ class StepWork:
         share_prompt: the passes after the rollout run each group's prompt once (and the rollout prefills it once).
         adapters: only LoRA adapters train (the frozen base gets no weight gradient).
         clip: the optimizer step clips the gradient norm (one more read and write of the gradients).
+        differentiable: the step's rollout is differentiated through (its own phases), or ``None``: a sampled
+            rollout scored after it (the GRPO family's phases).
     """
 
     reference_pass: bool = False
@@ -80,6 +103,7 @@ class StepWork:
     share_prompt: bool = False
     adapters: bool = False
     clip: bool = True
+    differentiable: DifferentiableRollout | None = None
 
     def __post_init__(self) -> None:
         if self.scoring_passes < 0 or self.iterations < 1:

@@ -11,11 +11,12 @@ return; ``sample_completions`` the sampler the built-in methods draw their rollo
 
 A variant of GumbelTopK's differentiable rollout overrides its ``soft_rollout`` hook, which returns a
 ``SoftRollout``, and steps the models with ``PolicyStepper`` and ``ReferenceStepper`` exactly as the method does
-(``bench/gumbel_legacy.py``, the full-vocabulary baseline, is one).
+(``bench/gumbel_legacy.py``, the full-vocabulary baseline, is one). A method whose loss is differentiated through
+its rollout declares it in ``step_work()`` as a ``DifferentiableRollout``, for the roofline.
 """
 
 from lit_rl.memory.phases import BACKWARD, OPTIMIZER
-from lit_rl.memory.rollout import RolloutShape, StepWork
+from lit_rl.memory.rollout import DifferentiableRollout, RolloutShape, StepWork
 from lit_rl.methods.base import RLMethod
 from lit_rl.methods.grpo import RefCachedGRPO
 from lit_rl.methods.gumbel_topk import GumbelTopK, PolicyStepper, ReferenceStepper, SoftRollout
@@ -25,6 +26,7 @@ from lit_rl.models import sample_completions
 __all__ = [
     "BACKWARD",
     "OPTIMIZER",
+    "DifferentiableRollout",
     "GumbelTopK",
     "Intuitor",
     "PolicyStepper",

@@ -35,7 +35,7 @@ reward model's attention mask, so the reward model reads each completion up to a
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -43,6 +43,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import DynamicCache
 
 from lit_rl.memory.phases import BACKWARD, OPTIMIZER
+from lit_rl.memory.rollout import DifferentiableRollout, StepWork
 from lit_rl.methods.base import RLMethod
 from lit_rl.methods.evaluation import distinct_bigrams
 from lit_rl.models import (
@@ -208,6 +209,13 @@ class GumbelTopK(RLMethod):
         if hp.tau_schedule == "exponential":
             return max(hp.tau_min, hp.tau * math.exp(frac * math.log(hp.tau_min / hp.tau)))
         return hp.tau
+
+    def step_work(self) -> StepWork:
+        """The base's passes, and the rollout differentiated through: its phases' work for the roofline."""
+        hp = self.hparams
+        scorer = self.reward_model.config if self.reward_model is not None else None
+        soft = DifferentiableRollout(hp.gumbel_topk, scorer, hp.checkpoint_steps, hp.bptt_window)
+        return replace(super().step_work(), differentiable=soft)
 
     # ------------------------------------------------------------------ the step
     def train_step(self, batch: dict[str, Any]) -> tuple[dict[str, float], int]:

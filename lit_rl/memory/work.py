@@ -1,0 +1,362 @@
+"""The least work of each phase of a training step: FLOPs and the bytes that must move, from shapes alone.
+
+:mod:`lit_rl.memory.roofline` puts each phase's measured time beside the floor of this work at a machine's rates,
+and :mod:`lit_rl.planner` prices a plan's tactics with it. A phase's floor is, for each part of it (the prefill,
+each decode step, each micro-batch's pass), summed over the parts::
+
+    floor = max(FLOPs / matmul rate, bytes / bandwidth)
+
+FLOPs and bytes depend on neither the machine nor its load. Parts marked ``decode`` are few-row matmuls (a decode
+step, a differentiable rollout's step and its backward), which :func:`floor`'s ``attainable_s`` puts at the rate of a
+decode-shaped GEMM.
+
+Counts, with ``H`` hidden size, ``I`` intermediate size, ``L`` layers, ``nh``/``nkv`` query/key-value heads of size
+``d``, ``V`` vocabulary, ``W = L * (2*H*nh*d + 2*H*nkv*d + 3*H*I)`` the trunk's matmul weights (``2*H*I`` for a
+plain GPT-2 MLP; biases, norms and embedding gathers not counted) and ``A`` the LoRA adapter weights:
+
+- a token through the trunk costs ``2 * (W + A)`` FLOPs, one through the LM head ``2 * H * V`` (the logits-free
+  ops compute every logit, in chunks);
+- attention costs ``4 * nh * d * q * k`` per layer for ``q`` queries over ``k`` keys: the whole rectangle a masked
+  kernel computes (a causal kernel may skip up to half of it); softmax and element-wise work are not counted;
+- bytes: each weight a pass uses is read once per pass (per micro-batch, per decode step), the KV cache is read
+  once per decode step and each new entry written once, gradients and optimizer state as below; activations are
+  assumed to stay in cache, so bytes are a lower bound.
+
+Phases (``B`` prompts, ``G`` completions per prompt, ``P`` the batch's padded prompt width, ``C`` the step's longest
+completion, as :class:`~lit_rl.memory.step_prediction.StepShape` reads them):
+
+- ``rollout``: a prefill of ``P - 1`` tokens per prompt (once per prompt with shared-prompt passes, once per
+  completion without; no head), then ``C`` decode steps of ``B * G`` rows, step ``j`` attending over ``P + j - 1``
+  keys and running the head; each reads every weight (``W + A + H*V``) and the cache so far. Reward functions and
+  text decoding are not counted.
+- ``reference``: a no-grad forward over the rollout per scoring pass, per micro-batch: ``u*P + b*C`` trunk tokens
+  for ``b`` completions of ``u`` prompts with shared-prompt passes
+  (:func:`~lit_rl.models.shared_prompt.group_runs`), ``b*(P + C)`` without, and the head on the ``b*C`` completion
+  tokens. The passes are the ones the method declares in ``step_work()``
+  (:class:`~lit_rl.memory.rollout.StepWork`): one for the reference when it runs, plus ``scoring_passes`` of the
+  policy (RefCachedGRPO's old log-probs, Intuitor's self-certainty); adapters are not counted here.
+- ``policy_forward``: the same forward with adapters, once per micro-batch and per iteration
+  (``StepWork.iterations``, optimizer steps per rollout batch).
+- ``backward``: full fine-tuning: twice the forward's trunk and attention FLOPs (input and weight gradients) and
+  three times its head FLOPs (the chunked head recomputes its logits). LoRA: the frozen weights get no gradient,
+  so once the trunk's FLOPs (the first layer's input gradient included, which only checkpointing asks for),
+  twice the adapters' and the attention's, twice the head's. Activation checkpointing adds a forward of each
+  checkpointed layer but, in full fine-tuning, its MLP's down projection (``H*I``: PyTorch's non-reentrant
+  checkpoint stops recomputing once the backward has what it needs; under LoRA only the last, tiny adapter matmul
+  is skipped, which is not counted). Bytes: the weights again (and again for the recomputation), the gradients
+  written (read too when a later micro-batch adds to them).
+- ``optimizer``: no matmul; per trainable value fused AdamW reads the gradient and reads and writes the parameter
+  and both moments (7 accesses), the finite-gradient check reads the gradient (1), clipping reads it for the norm
+  and reads and writes it to scale (3).
+
+Precision: the matmul rate of the dtype the matmuls run in (bfloat16 or float16 under ``bf16-*``/``16-*``
+precision, else the weights' dtype); weights, gradients and optimizer state at the weights' size (float32 master
+weights under mixed precision), the KV cache at the compute dtype's.
+
+**A differentiable rollout** (:class:`~lit_rl.memory.rollout.DifferentiableRollout`, GumbelTopK), per micro-batch
+of ``b`` rows, ``k`` embedding rows per soft token, ``W_s`` the scorer's trunk weights (its kept layers) and ``g``
+the first differentiated token (``max(C - grad_window, 0)``, else 0):
+
+- ``generate``: a prefill of all ``P`` prompt tokens per row (no shared prompt) in the policy and, with a
+  reference, in the reference; per token the policy's head and the reference's (sampling and the KL read the same
+  logits: once each is the least); ``C - 1`` steps of each trunk over one row-token each, step ``j`` attending over
+  ``P + j`` keys, the policy's input a gather of ``k`` embedding rows per row. Every step reads every weight it uses.
+- ``reward``: the scorer's trunk over ``P + C`` tokens per row in one causal pass (every prefix scored at once),
+  its soft rows gathered; its score head is not counted.
+- ``backward``: the scorer's input gradients (its weights are frozen: once its trunk's FLOPs, twice its attention's);
+  per differentiated token the sampling head's backward (input gradient, and the weight gradient when the head
+  trains) and the KL's (it recomputes both heads' logits, then the input gradient, and the weight gradient when the
+  head trains); per differentiated policy step, and the prefill when ``g = 0``, the trunk's backward as in a sampled
+  step's (full fine-tuning: twice the forward's trunk and attention FLOPs; LoRA: once the trunk's, twice the
+  adapters' and the attention's) plus a forward again with ``recompute_steps``. Bytes: the weights each step reads
+  again, and under full fine-tuning each step's weight gradients added into the sums (read and written).
+- ``optimizer``: as for a sampled step.
+
+Not modelled (the roofline reports such phases as not modelled): phases of other names, mixture-of-experts layers,
+a 4-bit base, reward functions and text decoding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from lit_rl.memory.phases import BACKWARD, OPTIMIZER
+from lit_rl.memory.rollout import StepWork
+from lit_rl.models.shared_prompt import group_runs
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes of a decoder-only transformer that set its FLOPs and bytes."""
+
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    gated: bool = True  # gate, up and down projections (Llama, Qwen); False: GPT-2's two
+
+    @classmethod
+    def from_config(cls, config: Any) -> ModelShape:
+        """From a transformers config (Llama/Qwen/Mistral-like or GPT-2 field names).
+
+        Raises:
+            ValueError: for a mixture-of-experts config or one without these fields.
+        """
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        if any(getattr(text, n, None) for n in ("num_experts", "num_local_experts", "n_routed_experts")):
+            raise ValueError("mixture-of-experts layers are not modelled")
+
+        def get(*names: str) -> Any:
+            return next((getattr(text, n) for n in names if getattr(text, n, None) is not None), None)
+
+        hidden, layers, heads = (
+            get("hidden_size", "n_embd"),
+            get("num_hidden_layers", "n_layer"),
+            get("num_attention_heads", "n_head"),
+        )
+        if not (hidden and layers and heads and getattr(text, "vocab_size", None)):
+            raise ValueError(f"{type(text).__name__} has no hidden size, layer count, head count or vocabulary")
+        gpt2 = getattr(text, "model_type", "") == "gpt2"
+        return cls(
+            hidden=hidden,
+            intermediate=get("intermediate_size", "n_inner") or 4 * hidden,
+            layers=layers,
+            heads=heads,
+            kv_heads=get("num_key_value_heads") or heads,
+            head_dim=get("head_dim") or hidden // heads,
+            vocab=text.vocab_size,
+            gated=not gpt2,
+        )
+
+    @property
+    def trunk_weights(self) -> int:
+        """``W``: matmul weights of every decoder layer (attention projections and MLP)."""
+        h, d = self.hidden, self.head_dim
+        attention = 2 * h * self.heads * d + 2 * h * self.kv_heads * d  # q and o, k and v
+        return self.layers * (attention + (3 if self.gated else 2) * h * self.intermediate)
+
+    @property
+    def head_weights(self) -> int:
+        return self.hidden * self.vocab
+
+    def attention_flops(self, pairs: int) -> int:
+        """FLOPs of ``pairs`` (query, key) pairs in every layer: ``q @ k`` and ``p @ v``."""
+        return 4 * self.heads * self.head_dim * self.layers * pairs
+
+    @property
+    def cache_values_per_token(self) -> int:
+        """Keys and values one token adds to the KV cache, over all layers."""
+        return 2 * self.layers * self.kv_heads * self.head_dim
+
+
+@dataclass(frozen=True)
+class StepSettings:
+    """What, besides the model's shape, sets a step's work (the fields of the phases above)."""
+
+    prompts: int  # B
+    generations: int  # G
+    prompt_length: int  # P, the padded width
+    new_tokens: int  # C, the longest completion
+    micro_batch: int | None = None  # completions per forward; None: all at once
+    share_prompt: bool = True
+    adapters: int = 0  # LoRA adapter weights; 0: full fine-tuning
+    trainable: int = 0  # values the optimizer updates
+    weight_bytes: int = 4  # per weight, gradient and optimizer value
+    cache_bytes: int = 4  # per KV-cache value (the compute dtype)
+    reference_passes: int = 1
+    iterations: int = 1  # optimizer steps per rollout batch
+    checkpointed_layers: int = 0
+    clip: bool = True
+    # a differentiable rollout (StepWork.differentiable): k rows per soft token (0: a sampled rollout), the scorer's
+    # shape, each policy step recomputed in the backward, the differentiated last tokens (None: all)
+    soft_topk: int = 0
+    scorer: ModelShape | None = None
+    recompute_steps: bool = False
+    grad_window: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.scorer, dict):  # from asdict(), as a report stores the settings
+            object.__setattr__(self, "scorer", ModelShape(**self.scorer))
+
+    @classmethod
+    def of(cls, work: StepWork, *, trainable: int, **shapes: Any) -> StepSettings:
+        """The settings of a step whose passes ``work`` declares (:func:`~lit_rl.memory.rollout.step_work`), at
+        ``shapes``: the other fields (``prompts``, ``generations``, lengths, ``micro_batch``, byte sizes,
+        ``checkpointed_layers``). The one constructor the profiler's roofline and the planner share.
+
+        Raises:
+            ValueError: a differentiable rollout's scorer whose config :class:`ModelShape` cannot read.
+        """
+        soft = work.differentiable
+        extra = {}
+        if soft is not None:
+            scorer = ModelShape.from_config(soft.scorer) if soft.scorer is not None else None
+            extra = dict(soft_topk=soft.top_k, scorer=scorer, recompute_steps=soft.recompute_steps,
+                         grad_window=soft.grad_window)  # fmt: skip
+        return cls(
+            share_prompt=work.share_prompt,
+            adapters=trainable if work.adapters else 0,
+            trainable=trainable,
+            reference_passes=int(work.reference_pass) + work.scoring_passes,
+            iterations=work.iterations,
+            clip=work.clip,
+            **extra,
+            **shapes,
+        )
+
+
+@dataclass(frozen=True)
+class Work:
+    """One part of a phase: FLOPs and the least bytes it moves; ``decode``: a decode step's few-row matmuls."""
+
+    flops: float
+    bytes: float
+    decode: bool = False
+
+
+def _micro_batches(s: StepSettings) -> list[tuple[int, int, int]]:
+    """``(completions b, trunk tokens, attention pairs)`` of each micro-batch's forward."""
+    n = s.prompts * s.generations
+    size = s.micro_batch or n
+    p, c = s.prompt_length, s.new_tokens
+    out = []
+    for start in range(0, n, size):
+        stop = min(start + size, n)
+        b = stop - start
+        if s.share_prompt:
+            u = len(group_runs(start, stop, s.generations))
+            out.append((b, u * p + b * c, u * p * p + b * c * (p + c)))
+        else:
+            out.append((b, b * (p + c), b * (p + c) ** 2))
+    return out
+
+
+def phase_work(m: ModelShape, s: StepSettings) -> dict[str, list[Work]]:
+    """The parts of each modelled phase of one step (the counts of the module docstring)."""
+    if s.soft_topk:
+        return _differentiable_work(m, s)
+    wb, w, a, hv = s.weight_bytes, m.trunk_weights, s.adapters, m.head_weights
+    rows = s.prompts * s.generations
+    kv = m.cache_values_per_token * s.cache_bytes  # bytes per cached token
+    rollout = []
+    prefill_rows = s.prompts if s.share_prompt and s.generations > 1 and s.prompt_length > 1 else rows
+    p = s.prompt_length - 1
+    if p > 0:
+        tokens = prefill_rows * p
+        flops = 2 * tokens * (w + a) + m.attention_flops(prefill_rows * p * p)
+        rollout.append(Work(flops, (w + a) * wb + tokens * kv))
+    for j in range(1, s.new_tokens + 1):
+        keys = s.prompt_length + j - 1
+        flops = 2 * rows * (w + a + hv) + m.attention_flops(rows * keys)
+        rollout.append(Work(flops, (w + a + hv) * wb + rows * keys * kv + rows * kv, decode=True))
+
+    def forward(tokens: int, pairs: int, head_tokens: int, adapters: int) -> Work:
+        flops = 2 * tokens * (w + adapters) + m.attention_flops(pairs) + 2 * head_tokens * hv
+        return Work(flops, (w + adapters + hv) * wb)
+
+    micro = _micro_batches(s)
+    reference = [forward(t, q, b * s.new_tokens, 0) for _ in range(s.reference_passes) for b, t, q in micro]
+    policy = [forward(t, q, b * s.new_tokens, a) for b, t, q in micro] * s.iterations
+    # a checkpointed layer runs its forward again until the backward has every tensor it needs (PyTorch's
+    # non-reentrant checkpoint stops early): all but the MLP's down projection, whose output is not one of them;
+    # under LoRA that projection runs before its adapter, whose input is needed, so only the last adapter is skipped
+    share = s.checkpointed_layers / m.layers
+    skipped = 0 if a else m.hidden * m.intermediate
+    redo = s.checkpointed_layers * (w // m.layers - skipped) + share * a  # weights the recomputation multiplies by
+    backward = []
+    for i, (b, t, q) in enumerate(micro):
+        trunk, adapt, attn, head = 2 * t * w, 2 * t * a, m.attention_flops(q), 2 * b * s.new_tokens * hv
+        flops = (trunk + 2 * adapt + 2 * attn + 2 * head) if a else (2 * trunk + 2 * attn + 3 * head)
+        flops += 2 * t * redo + share * attn
+        grads = s.trainable * wb * (1 if i == 0 else 2)
+        backward.append(Work(flops, (w + a + redo + hv) * wb + grads))
+    optimizer = [_optimizer(s)]
+    return {
+        "rollout": rollout,
+        "reference": reference,
+        "policy_forward": policy,
+        BACKWARD: backward * s.iterations,
+        OPTIMIZER: optimizer * s.iterations,
+    }
+
+
+def _optimizer(s: StepSettings) -> Work:
+    return Work(0, s.trainable * s.weight_bytes * (7 + 1 + (3 if s.clip else 0)))
+
+
+def _differentiable_work(m: ModelShape, s: StepSettings) -> dict[str, list[Work]]:
+    """``generate``, ``reward``, ``backward`` and ``optimizer`` of a differentiable rollout (module docstring)."""
+    wb, w, a, hv, kv = s.weight_bytes, m.trunk_weights, s.adapters, m.head_weights, m.cache_values_per_token
+    kv *= s.cache_bytes
+    p, c, ref = s.prompt_length, s.new_tokens, s.reference_passes > 0
+    first = max(c - s.grad_window, 0) if s.grad_window is not None else 0
+    n = s.prompts * s.generations
+    size = s.micro_batch or n
+    full = not a  # full fine-tuning: the trunk and the head take weight gradients
+    generate, reward, backward = [], [], []
+    for b in [min(size, n - start) for start in range(0, n, size)]:
+        sides = 2 if ref else 1  # the policy, and the reference beside it
+        prefill = 2 * b * p * (w + a) + m.attention_flops(b * p * p)
+        generate.append(Work(prefill + (prefill - 2 * b * p * a if ref else 0), (sides * w + a) * wb + sides * b * p * kv))
+        for j in range(c):  # token j: the heads; then the trunk step that feeds it back (none after the last)
+            flops, moved = 2 * b * hv * sides, hv * wb * sides
+            if j + 1 < c:
+                keys = p + j + 1
+                flops += sides * (2 * b * w + m.attention_flops(b * keys)) + 2 * b * a
+                moved += (sides * w + a) * wb + sides * b * keys * kv + b * s.soft_topk * m.hidden * wb
+            generate.append(Work(flops, moved, decode=True))
+        if s.scorer is not None:
+            t, ws = b * (p + c), s.scorer.trunk_weights
+            attention = s.scorer.attention_flops(b * (p + c) * (p + c))
+            reward.append(Work(2 * t * ws + attention, ws * wb + b * c * s.soft_topk * s.scorer.hidden * wb))
+            backward.append(Work(2 * t * ws + 2 * attention, ws * wb))
+        # the heads of each differentiated token: sampling (input and, when the head trains, weight gradient) and
+        # the KL (both logits again, then the same gradients); under full fine-tuning the weight gradients are added
+        # into one sum (read and written)
+        passes = (2 if full else 1) + ((4 if full else 3) if ref else 0)
+        for _ in range(first, c):
+            backward.append(Work(2 * b * hv * passes, hv * wb * (2 if ref else 1) + (2 * hv * wb if full else 0),
+                                 decode=True))  # fmt: skip
+        if first == 0:
+            backward.append(_trunk_backward(m, s, b * p, b * p * p, False))
+        for j in range(max(first, 1), c):  # the step feeding token j back
+            backward.append(_trunk_backward(m, s, b, b * (p + j), s.recompute_steps))
+    phases = {"generate": generate, "reward": reward, BACKWARD: backward, OPTIMIZER: [_optimizer(s)]}
+    return {name: works for name, works in phases.items() if works}
+
+
+def _trunk_backward(m: ModelShape, s: StepSettings, tokens: int, pairs: int, recompute: bool) -> Work:
+    """One differentiated policy step's trunk backward (module docstring); full fine-tuning adds the step's weight
+    gradients into the sums (read and written)."""
+    w, a, wb = m.trunk_weights, s.adapters, s.weight_bytes
+    matmul = 2 * tokens * w
+    flops = (2 * matmul if not a else matmul + 4 * tokens * a) + 2 * m.attention_flops(pairs)
+    if recompute:
+        flops += matmul + 2 * tokens * a + m.attention_flops(pairs)
+    grads = 0 if a else 2 * s.trainable * wb
+    return Work(flops, (w + a) * wb * (2 if recompute else 1) + grads, decode=True)
+
+
+def floor(works: list[Work], matmul: float, bandwidth: float, skinny: float | None = None) -> dict[str, Any]:
+    """FLOPs, bytes and the floor of a phase's parts at ``matmul`` FLOP/s and ``bandwidth`` bytes/s.
+
+    ``skinny``: the decode-shaped matmul rate, for ``attainable_s`` (the decode steps at that rate).
+    """
+    flops, moved = sum(x.flops for x in works), sum(x.bytes for x in works)
+    compute_s, memory_s = flops / matmul, moved / bandwidth
+    floor_s = sum(max(x.flops / matmul, x.bytes / bandwidth) for x in works)
+    rate = {False: matmul, True: skinny or matmul}
+    attainable_s = sum(max(x.flops / rate[x.decode], x.bytes / bandwidth) for x in works)
+    return {
+        "flops": flops,
+        "bytes": moved,
+        "compute_s": compute_s,
+        "memory_s": memory_s,
+        "floor_s": floor_s,
+        "bound": "compute" if compute_s >= memory_s else "memory",
+        "attainable_s": attainable_s,
+    }
