@@ -14,6 +14,9 @@ memory:
 - **Online KL**: the per-token KL(policy || reference) over the **full vocabulary** is computed at each
   step from the two hidden states by :func:`lit_rl.ops.kl_divergence` (exact, vocabulary blocks
   recomputed in backward), instead of storing ``[B, T, V]`` reference logits and computing it at the end.
+- **One gradient sum for the head**: the rollout reads the LM head (and the tied input embedding) at every token;
+  each read adds its weight gradient into one buffer (:class:`lit_rl.ops.GradientSink`) instead of autograd
+  making a new ``[V, H]`` tensor per read and adding it.
 - **KV-cached reference**: the reference (the policy with LoRA adapters disabled, or a frozen copy)
   advances on the hard token with its own KV cache, without gradient.
 - **Per-step checkpointing** (``checkpoint_steps``): each policy step keeps only its inputs and the new
