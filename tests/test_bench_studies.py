@@ -148,6 +148,14 @@ def _rollout_samplers(column: dict[str, tuple[str, ...]], arms: list[str], text:
     assert "rollout_samplers.json" in text
 
 
+def _memory_plan(column: dict[str, tuple[str, ...]], arms: list[str], text: str) -> None:
+    """The planned arm fits its budget; the plans at scale are the planner's own tables, with the command."""
+    assert column["fits"][arms.index("2GiB")] == "yes", column
+    scale = text.split("## Plans at scale (estimated, not run)", 1)[1]
+    assert "### tiny at 2 MiB" in scale and "`lit-rl estimate --config configs/grpo_tiny.yaml" in scale
+    assert "plan for 2.00 MiB of tensors" in scale and "<- plan" in scale, scale
+
+
 CHECKS = {  # a study's own assertions on its quick table (by column) and results file
     "checkpointing": _checkpointing,
     "roofline": _roofline,
@@ -158,6 +166,7 @@ CHECKS = {  # a study's own assertions on its quick table (by column) and result
     "allocator": _allocator,
     "bf16_cpu": _bf16_cpu,
     "rollout_samplers": _rollout_samplers,
+    "memory_plan": _memory_plan,
 }
 
 

@@ -3,11 +3,14 @@
 ``before`` asks the planner for each planned arm's budget (``lit-rl estimate --config C --device-memory B --allow A
 --plan <results>/plan_<arm>.yaml``), the file the arm's ``--config {results}/plan_<arm>.yaml`` applies; ``plan``
 shows what the plan turned on, ``fits`` compares the run's measured tensor peak with the budget, ``step`` is the
-median of the run's summed phase times.
+median of the run's summed phase times. ``after`` asks the planner for the study's ``scale`` entries, models too
+large to train here (estimate only, nothing runs), and adds each one's plan table; their output is kept under the
+study's runs, so ``--reuse`` reads it again.
 """
 
 from __future__ import annotations
 
+import re
 import shlex
 import statistics
 import sys
@@ -85,3 +88,32 @@ def step(arm) -> str:
 
 
 cells = {"plan": plan, "budget": budget, "fits": fits, "step": step}
+
+
+def after(study: dict, arms: list, results: Path) -> list[str]:
+    """The planner's table for each ``scale`` entry (``config``, ``args``, ``budget``, ``allow``): the plan at each
+    budget a large model needs, from the estimate alone."""
+    runtime = study["runtime"]
+    entries = study.get("quick", {}).get("scale", {}) if runtime.quick else study.get("scale", {})
+    if not entries:
+        return []
+    lines = ["## Plans at scale (estimated, not run)", "", study.get("scale_description", "").strip(), ""]
+    for title, spec in entries.items():
+        slug = re.sub(r"[^a-z0-9]+", "_", title.lower()).strip("_")
+        saved, plan = runtime.out / f"scale_{slug}.log", runtime.out / f"scale_{slug}.yaml"
+        args = ["estimate", "--config", spec["config"], *map(str, spec.get("args", [])),
+                "--device-memory", spec["budget"], "--allow", spec.get("allow", "")]  # fmt: skip
+        shown = shlex.join(["lit-rl", *args, "--plan", "plan.yaml"])
+        if not (runtime.reuse and saved.is_file()):
+            cmd = [sys.executable, "-m", "lit_rl", *args, "--plan", str(plan)]
+            print(f"+ {shlex.join(cmd)}", file=sys.stderr, flush=True)
+            runtime.out.mkdir(parents=True, exist_ok=True)
+            try:
+                harness.run_measured(cmd, None, harness.thread_env(runtime.threads), saved)
+            except harness.ChildFailed as err:  # no plan fits: the planner says so in its last line, exit 2
+                if err.code != 2:
+                    raise
+        text = saved.read_text().splitlines()
+        table = text[next((i for i, ln in enumerate(text) if ln.startswith("plan for")), 0) :]
+        lines += [f"### {title}", "", f"`{shown}`", "", "```", *table, "```", ""]
+    return lines
