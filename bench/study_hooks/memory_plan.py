@@ -97,7 +97,7 @@ def after(study: dict, arms: list, results: Path) -> list[str]:
     entries = study.get("quick", {}).get("scale", {}) if runtime.quick else study.get("scale", {})
     if not entries:
         return []
-    lines = ["## Plans at scale (estimated, not run)", "", study.get("scale_description", "").strip(), ""]
+    lines = ["", "## Plans at scale (estimated, not run)", "", study.get("scale_description", "").strip(), ""]
     for title, spec in entries.items():
         slug = re.sub(r"[^a-z0-9]+", "_", title.lower()).strip("_")
         saved, plan = runtime.out / f"scale_{slug}.log", runtime.out / f"scale_{slug}.yaml"
@@ -115,5 +115,6 @@ def after(study: dict, arms: list, results: Path) -> list[str]:
                     raise
         text = saved.read_text().splitlines()
         table = text[next((i for i, ln in enumerate(text) if ln.startswith("plan for")), 0) :]
+        table = table[: table.index("")] if "" in table else table  # the table; not where this machine wrote the plan
         lines += [f"### {title}", "", f"`{shown}`", "", "```", *table, "```", ""]
     return lines
