@@ -136,7 +136,9 @@ def plan(
                     break  # smaller micro-batches fit too, and are slower
                 if last is not None and last - plain.peak < 0.01 * device_bytes:
                     break  # halving no longer lowers the peak (weights, gradients and state fill it): stop here
-                every, known = least_checkpointing(module, device_bytes, {**settings, **overrides}, {0: plain.estimate})
+                every, known = 0, {}
+                if not getattr(module, "layer_checkpointing_refused", None):  # GumbelTopK recomputes its own steps
+                    every, known = least_checkpointing(module, device_bytes, {**settings, **overrides}, {0: plain.estimate})
                 if every:
                     add(_candidate(module, rates, settings, overrides, combo, every, known[every]))
                 last, rows = plain.peak, rows // 2 if rows > 1 else 0
@@ -191,9 +193,9 @@ def _floor_seconds(module, estimate: Estimate, rates: dict[str, Any], overrides:
         shape = ModelShape.from_config(s["config"])
     except ValueError:
         return None
-    if not {"rollout", "reference", "policy_forward"} <= set(type(module).phase_names):
-        return None  # the roofline counts the GRPO family's phases only
     work = copy_method(module, {k: v for k, v in overrides.items() if k not in ("precision",)}).step_work()
+    if work.differentiable is None and not {"rollout", "reference", "policy_forward"} <= set(type(module).phase_names):
+        return None  # the roofline counts the GRPO family's phases and a declared differentiable rollout's
     half = s["precision"].split("-")[0] in ("bf16", "16")
     weight_bytes = 2 if s["precision"] in ("bf16-true", "16-true") else 4
     gradients = next((c.bytes for c in estimate.components if c.name == "gradients"), 0)

@@ -321,3 +321,19 @@ def test_estimate_runs_the_method_step_with_its_own_phases():
 def test_bad_settings_fail_at_construction(kw, message):
     with pytest.raises(ValueError, match=message):
         GumbelTopK(**{**RUN, **kw})
+
+
+def test_checkpointed_layers_are_refused_in_one_line_and_the_estimate_too(tmp_path):
+    """transformers drops the KV cache inside checkpointed layers; the rollout steps the trunk on it, so layer
+    checkpointing is refused by the callback and by the estimator, naming checkpoint_steps instead."""
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+    from lit_rl.callbacks import ActivationCheckpointing
+
+    method = _method()
+    trainer = L.Trainer(accelerator="cpu", logger=False, default_root_dir=tmp_path)
+    with pytest.raises(MisconfigurationException, match=r"GumbelTopK runs its policy .* model.checkpoint_steps: true"):
+        ActivationCheckpointing().setup(trainer, method, "fit")
+    assert not any(getattr(m, "gradient_checkpointing", False) for m in method.policy.modules())
+    with pytest.raises(ValueError, match="activation checkpointing: GumbelTopK runs its policy one token at a time"):
+        estimate_step(GumbelTopK(**RUN), batch_size=2, prompt_length=5, activation_checkpointing=1)

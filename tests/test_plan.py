@@ -129,3 +129,17 @@ def test_a_plan_file_made_for_another_config_is_refused(tmp_path, capsys):
         main(["fit", "--config", str(config), "--config", str(plan_file)])
     assert "as it was then" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow  # GumbelTopK's step on fake tensors, per candidate
+def test_gumbel_topk_is_planned_by_its_own_floor_without_layer_checkpointing():
+    """GumbelTopK's trunk runs on a KV cache that checkpointed layers drop: the plan never checkpoints layers, and
+    its candidates are timed by the roofline's count of a differentiable rollout."""
+    from lit_rl.methods import GumbelTopK
+
+    method = GumbelTopK(name_or_path="tiny:llama", reward_model="tiny:llama", max_new_tokens=6, micro_batch_size=4)
+    _, _, config = plan(method, 10**12, rates=RATES, batch_size=4, prompt_length=12)
+    best, found, _ = plan(method, int(0.95 * config.peak), rates=RATES, batch_size=4, prompt_length=12)
+    assert all(c.every_n_layers == 0 for c in found) and len(found) > 1
+    assert all(c.seconds is not None and c.seconds > 0 for c in found)  # the floor, not the count of passes
+    assert best is not None and best.overrides.get("micro_batch_size", 4) < 4

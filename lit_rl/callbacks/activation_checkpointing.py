@@ -46,8 +46,9 @@ class ActivationCheckpointing(Callback):
 
     Raises:
         MisconfigurationException:
-            If ``every_n_layers < 1``, the attribute is missing, or the model does not support activation
-            checkpointing (not a transformers model, or an architecture without checkpointing support).
+            If ``every_n_layers < 1``, the attribute is missing, the model does not support activation
+            checkpointing (not a transformers model, or an architecture without checkpointing support), or the
+            method's ``layer_checkpointing_refused`` says why its step cannot run with checkpointed layers.
 
     Example::
 
@@ -90,6 +91,12 @@ class ActivationCheckpointing(Callback):
             )
         if self._enabled_on == id(model):
             return
+        refused = getattr(pl_module, "layer_checkpointing_refused", None)  # a method whose step cannot run so
+        if refused:
+            raise MisconfigurationException(
+                f"ActivationCheckpointing: {type(pl_module).__name__} {refused}; leave out "
+                "callbacks/activation_checkpointing.yaml"
+            )
         base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft PeftModel
         offload = self.offload
         if offload and trainer.strategy.root_device.type != "cuda":

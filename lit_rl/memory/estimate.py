@@ -163,6 +163,9 @@ def estimate_step(
         roots = shard_models(method, mesh, rollout_gather=rollout_gather)[0] if mesh is not None else []
         method.train()
         if activation_checkpointing:
+            refused = getattr(method, "layer_checkpointing_refused", None)  # as the ActivationCheckpointing callback
+            if refused:
+                raise ValueError(f"activation checkpointing: {type(method).__name__} {refused}")
             enable_activation_checkpointing(method.policy, activation_checkpointing)
         optimizer = _the_optimizer(method.configure_optimizers())
         if autocast_dtype is not None:  # a real run under mixed precision gets no fused AdamW (no trainer here)

@@ -131,6 +131,11 @@ class GumbelTopK(RLMethod):
     phase_names: ClassVar[tuple[str, ...]] = ("generate", "reward", BACKWARD, OPTIMIZER)
     frozen_modules: ClassVar[tuple[str, ...]] = ("reference", "reward_model")
     progress_bar_metrics: ClassVar[tuple[str, ...]] = ("reward/mean",)
+    # transformers drops the KV cache inside checkpointed layers, and the rollout steps the trunk on its cache
+    layer_checkpointing_refused: ClassVar[str] = (
+        "runs its policy one token at a time on a KV cache, which transformers turns off in checkpointed layers; "
+        "set model.checkpoint_steps: true to recompute each generation step instead"
+    )
 
     def __init__(
         self,
