@@ -71,6 +71,8 @@ class ActivationCheckpointing(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            _refuse(pl_module)  # before the models are loaded and the logs begin
         if stage == "fit" and getattr(pl_module, self.attribute, None) is not None:
             self._enable(trainer, pl_module)
 
@@ -91,12 +93,7 @@ class ActivationCheckpointing(Callback):
             )
         if self._enabled_on == id(model):
             return
-        refused = getattr(pl_module, "layer_checkpointing_refused", None)  # a method whose step cannot run so
-        if refused:
-            raise MisconfigurationException(
-                f"ActivationCheckpointing: {type(pl_module).__name__} {refused}; leave out "
-                "callbacks/activation_checkpointing.yaml"
-            )
+        _refuse(pl_module)
         base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft PeftModel
         offload = self.offload
         if offload and trainer.strategy.root_device.type != "cuda":
@@ -113,4 +110,13 @@ class ActivationCheckpointing(Callback):
         rank_zero_info(
             f"ActivationCheckpointing: {layers} module(s) of {type(base).__name__} checkpointed "
             f"(every_n_layers={self.every_n_layers}, offload={offload})."
+        )
+
+
+def _refuse(pl_module: pl.LightningModule) -> None:
+    """A method whose step cannot run with checkpointed layers says why (``layer_checkpointing_refused``)."""
+    refused = getattr(pl_module, "layer_checkpointing_refused", None)
+    if refused:
+        raise MisconfigurationException(
+            f"ActivationCheckpointing: {type(pl_module).__name__} {refused}; leave out callbacks/activation_checkpointing.yaml"
         )
