@@ -93,7 +93,6 @@ class ActivationCheckpointing(Callback):
             )
         if self._enabled_on == id(model):
             return
-        _refuse(pl_module)
         base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft PeftModel
         offload = self.offload
         if offload and trainer.strategy.root_device.type != "cuda":
