@@ -41,6 +41,7 @@ from lit_rl.memory.fit import checkpointed_layers, layer_count, least_checkpoint
 from lit_rl.memory.machine_rates import load_rates, measure_rates
 from lit_rl.memory.units import format_bytes
 from lit_rl.memory.work import ModelShape, StepSettings, floor, phase_work
+from lit_rl.models import checkpointing_refused
 
 #: tactics that change the numbers a step computes, searched only when ``--allow`` names them
 CHANGES_ARITHMETIC = {
@@ -137,7 +138,7 @@ def plan(
                 if last is not None and last - plain.peak < 0.01 * device_bytes:
                     break  # halving no longer lowers the peak (weights, gradients and state fill it): stop here
                 every, known = 0, {}
-                if not getattr(module, "layer_checkpointing_refused", None):  # GumbelTopK recomputes its own steps
+                if not checkpointing_refused(module):  # GumbelTopK recomputes its own steps
                     every, known = least_checkpointing(module, device_bytes, {**settings, **overrides}, {0: plain.estimate})
                 if every:
                     add(_candidate(module, rates, settings, overrides, combo, every, known[every]))

@@ -186,16 +186,15 @@ def test_differentiable_rollout_flops_equal_the_counted_flops(lora):
     torch.manual_seed(0)
     b, p = 3, 7
     ids, mask = torch.randint(3, 90, (b, p)), torch.ones(b, p, dtype=torch.long)
-    mapping = MAPPING
     counted = {}
-    with FlopCounterMode(display=False, custom_mapping=mapping) as fc:
+    with FlopCounterMode(display=False, custom_mapping=MAPPING) as fc:
         rollout = method.soft_rollout(ids, mask, 0.5)
     counted["generate"] = fc.get_total_flops()
-    with FlopCounterMode(display=False, custom_mapping=mapping) as fc:
+    with FlopCounterMode(display=False, custom_mapping=MAPPING) as fc:
         reward = method.score(ids, mask, rollout)
     counted["reward"] = fc.get_total_flops()
     loss = (method.hparams.beta * rollout.kl.sum(1) - reward).mean()
-    with FlopCounterMode(display=False, custom_mapping=mapping) as fc:
+    with FlopCounterMode(display=False, custom_mapping=MAPPING) as fc:
         loss.backward()
     counted["backward"] = fc.get_total_flops()
 

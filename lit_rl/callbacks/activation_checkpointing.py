@@ -13,7 +13,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lit_rl.models.checkpointing import enable_activation_checkpointing
+from lit_rl.models.checkpointing import checkpointing_refused, enable_activation_checkpointing
 
 
 class ActivationCheckpointing(Callback):
@@ -114,7 +114,7 @@ class ActivationCheckpointing(Callback):
 
 def _refuse(pl_module: pl.LightningModule) -> None:
     """A method whose step cannot run with checkpointed layers says why (``layer_checkpointing_refused``)."""
-    refused = getattr(pl_module, "layer_checkpointing_refused", None)
+    refused = checkpointing_refused(pl_module)
     if refused:
         raise MisconfigurationException(
             f"ActivationCheckpointing: {type(pl_module).__name__} {refused}; leave out callbacks/activation_checkpointing.yaml"

@@ -74,7 +74,7 @@ from lit_rl.memory.shapes import BUILTIN_SHAPES, config_resolver, model_config_f
 from lit_rl.memory.sharded import fake_processes, reshard_before_steps, sharding_settings
 from lit_rl.memory.tracker import TensorMemoryTracker
 from lit_rl.memory.units import GIB, MIB, format_bytes, parse_bytes
-from lit_rl.models import base_model, build_on_meta, enable_activation_checkpointing
+from lit_rl.models import base_model, build_on_meta, checkpointing_refused, enable_activation_checkpointing
 from lit_rl.models.offload import OffloadSavedTensors
 from lit_rl.models.sharding import shard_models
 
@@ -163,7 +163,7 @@ def estimate_step(
         roots = shard_models(method, mesh, rollout_gather=rollout_gather)[0] if mesh is not None else []
         method.train()
         if activation_checkpointing:
-            refused = getattr(method, "layer_checkpointing_refused", None)  # as the ActivationCheckpointing callback
+            refused = checkpointing_refused(method)  # as the ActivationCheckpointing callback refuses
             if refused:
                 raise ValueError(f"activation checkpointing: {type(method).__name__} {refused}")
             enable_activation_checkpointing(method.policy, activation_checkpointing)

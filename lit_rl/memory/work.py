@@ -290,8 +290,8 @@ def _optimizer(s: StepSettings) -> Work:
 
 def _differentiable_work(m: ModelShape, s: StepSettings) -> dict[str, list[Work]]:
     """``generate``, ``reward``, ``backward`` and ``optimizer`` of a differentiable rollout (module docstring)."""
-    wb, w, a, hv, kv = s.weight_bytes, m.trunk_weights, s.adapters, m.head_weights, m.cache_values_per_token
-    kv *= s.cache_bytes
+    wb, w, a, hv = s.weight_bytes, m.trunk_weights, s.adapters, m.head_weights
+    kv = m.cache_values_per_token * s.cache_bytes  # bytes per cached token
     p, c, ref = s.prompt_length, s.new_tokens, s.reference_passes > 0
     first = max(c - s.grad_window, 0) if s.grad_window is not None else 0
     n = s.prompts * s.generations

@@ -325,8 +325,11 @@ class GumbelTopK(RLMethod):
         # the head (and the input embedding) is read at every token: each read's weight gradient is summed in one
         # buffer instead of a new [V, H] tensor per read (lit_rl/ops/gradient_sink.py)
         sink = GradientSink.of(head.weight)
-        embedding = self.policy.get_input_embeddings().weight
-        embedding_sink = sink if embedding is head.weight else GradientSink.of(embedding)
+        embedding = self.policy.get_input_embeddings()
+        if embedding.max_norm is not None or embedding.sparse:  # a lookup the sink's row gather does not reproduce
+            embedding_sink = None
+        else:
+            embedding_sink = sink if embedding.weight is head.weight else GradientSink.of(embedding.weight)
         policy = PolicyStepper(self, prompt_ids, prompt_mask, positions, grad=first_grad == 0)
         reference = ReferenceStepper(self, prompt_ids, prompt_mask, positions) if hp.beta > 0 else None
         weights, indices, tokens, masks, kls, masses = [], [], [], [], [], []
@@ -386,13 +389,11 @@ class GumbelTopK(RLMethod):
         self, weights: torch.Tensor, indices: torch.Tensor, sink: GradientSink | None = None
     ) -> torch.Tensor:
         """``[b, 1, H]``: a weighted gather of k embedding rows (``weights``, ``indices``: ``[b, k]``); ``sink``: the
-        embedding weight's :class:`~lit_rl.ops.GradientSink` (the tied head's), which then takes the rows' gradient."""
+        embedding weight's :class:`~lit_rl.ops.GradientSink` (the tied head's), which then takes the rows' gradient
+        (steps without gradient read the same rows through it)."""
         gather_trunk(self.policy)  # the embedding is called outside the trunk's forward (sharded: gathered first)
         embedding = self.policy.get_input_embeddings()
-        if sink is not None and torch.is_grad_enabled() and embedding.max_norm is None and not embedding.sparse:
-            rows = sink.embedding(indices, embedding.padding_idx)  # [b, k, H]
-        else:
-            rows = embedding(indices)  # [b, k, H]
+        rows = embedding(indices) if sink is None else sink.embedding(indices, embedding.padding_idx)  # [b, k, H]
         return (weights.to(rows.dtype)[..., None] * rows).sum(1, keepdim=True)  # [b, 1, H]
 
 

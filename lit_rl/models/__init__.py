@@ -8,7 +8,7 @@ tiny random models' parts built in memory for tests (:func:`tiny_config`, :func:
 """
 
 from lit_rl.models.cache_keyword import cache_keyword, cache_kwargs, output_cache
-from lit_rl.models.checkpointing import enable_activation_checkpointing
+from lit_rl.models.checkpointing import checkpointing_refused, enable_activation_checkpointing
 from lit_rl.models.compiled_decode import compile_seconds, compile_unsupported
 from lit_rl.models.decode import decode_unsupported
 from lit_rl.models.head import (
@@ -75,6 +75,7 @@ __all__ = [
     "cache_kwargs",
     "check_head_parity",
     "check_supported",
+    "checkpointing_refused",
     "compile_seconds",
     "compile_unsupported",
     "decode_unsupported",

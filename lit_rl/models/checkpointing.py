@@ -7,6 +7,12 @@ from transformers import PreTrainedModel
 from lit_rl.models.head import base_model
 
 
+def checkpointing_refused(method) -> str | None:
+    """Why ``method``'s step cannot run with checkpointed decoder layers (its ``layer_checkpointing_refused``, a
+    sentence ending in the fix), or ``None`` when it can: what the callback, the estimator and the planner ask."""
+    return getattr(method, "layer_checkpointing_refused", None) or None
+
+
 def enable_activation_checkpointing(model, every_n_layers: int = 1, offload: bool = False) -> int:
     """Turn on transformers' non-reentrant activation checkpointing; returns the number of checkpointed modules.
 
