@@ -9,7 +9,9 @@ floor at the machine's measured rates, or a rates file's). The tactics:
 - kept arithmetic (always searched): smaller update micro-batches, as a token budget (``micro_batch_tokens`` =
   rows x the longest row, so short completions still share a pass) for the methods that pass their rows' lengths,
   else as ``micro_batch_size``; activation checkpointing of every k-th decoder layer (the largest k that fits, as
-  :func:`~lit_rl.memory.fit.choose_checkpointing` finds it).
+  :func:`~lit_rl.memory.fit.choose_checkpointing` finds it), or, for a method that refuses checkpointed layers,
+  its own recomputation (``recomputation_settings``: GumbelTopK's ``checkpoint_steps``) at each micro-batch that
+  does not fit without it.
 - changed arithmetic (searched only when allowed, marked in the table): ``adamw8bit`` (bitsandbytes' 8-bit AdamW
   moments), ``bf16`` (``trainer.precision: bf16-true``), ``nf4`` (a 4-bit frozen base; LoRA runs only),
   ``reference_bf16`` (the full fine-tuning reference copy in bfloat16).
@@ -41,7 +43,7 @@ from lit_rl.memory.fit import checkpointed_layers, layer_count, least_checkpoint
 from lit_rl.memory.machine_rates import load_rates, measure_rates
 from lit_rl.memory.units import format_bytes
 from lit_rl.memory.work import ModelShape, StepSettings, floor, phase_work
-from lit_rl.models import checkpointing_refused
+from lit_rl.models import checkpointing_refused, own_recomputation
 
 #: tactics that change the numbers a step computes, searched only when ``--allow`` names them
 CHANGES_ARITHMETIC = {
@@ -65,6 +67,7 @@ class Candidate:
     seconds: float | None  # the roofline's step floor; None where it does not model the step
     passes: float = 0.0  # micro-batches x (1 + checkpointed share): the order where seconds is None
     overrides: dict[str, Any] = field(default_factory=dict)  # estimate_step keywords
+    recomputation: dict[str, Any] = field(default_factory=dict)  # the method's own recomputation, turned on
 
     @property
     def peak(self) -> int:
@@ -123,6 +126,9 @@ def plan(
     if "reference_bf16" in choices and (module.uses_lora or not module.needs_reference):
         choices.remove("reference_bf16")  # LoRA's reference is the base itself: there is no copy
     prompt_row = base.estimate.settings["sequence_length"]
+    own = own_recomputation(module)  # a method's own recomputation, where it refuses checkpointed layers
+    if all(module.hparams.get(k) == v for k, v in own.items()):
+        own = {}  # the config already recomputes
     for count in range(len(choices) + 1):
         for combo in itertools.combinations(choices, count):
             changes = _changes(combo, settings)
@@ -138,8 +144,12 @@ def plan(
                 if last is not None and last - plain.peak < 0.01 * device_bytes:
                     break  # halving no longer lowers the peak (weights, gradients and state fill it): stop here
                 every, known = 0, {}
-                if not checkpointing_refused(module):  # GumbelTopK recomputes its own steps
-                    every, known = least_checkpointing(module, device_bytes, {**settings, **overrides}, {0: plain.estimate})
+                if not checkpointing_refused(module):
+                    every, known = least_checkpointing(
+                        module, device_bytes, {**settings, **overrides}, {0: plain.estimate}
+                    )
+                elif own and plain.peak > device_bytes:  # GumbelTopK recomputes its own steps instead
+                    add(_candidate(module, rates, settings, {**overrides, **own}, combo))
                 if every:
                     add(_candidate(module, rates, settings, overrides, combo, every, known[every]))
                 last, rows = plain.peak, rows // 2 if rows > 1 else 0
@@ -180,9 +190,11 @@ def _candidate(module, rates, settings, overrides, combo, every: int = 0, estima
     s = estimate.settings
     layers = layer_count(s["config"])
     micro = math.ceil(s["batch"] / max(1, s["micro_batch_size"]))
-    passes = micro * (1 + checkpointed_layers(layers, every) / layers)
+    own = {k: v for k, v in overrides.items() if k in own_recomputation(module)}  # one more forward of every step
+    passes = micro * (1 + (1 if own else checkpointed_layers(layers, every) / layers))
     return Candidate(s["micro_batch_size"], every, combo, estimate, _floor_seconds(module, estimate, rates, overrides),
-                     passes, {k: v for k, v in keywords.items() if k in overrides or k == "activation_checkpointing"})  # fmt: skip
+                     passes, {k: v for k, v in keywords.items() if k in overrides or k == "activation_checkpointing"},
+                     own)  # fmt: skip
 
 
 def _floor_seconds(module, estimate: Estimate, rates: dict[str, Any], overrides: dict[str, Any]) -> float | None:
@@ -261,7 +273,7 @@ def write_plan(
 def plan_fragment(best: Candidate) -> dict[str, Any]:
     """The config fragment that applies ``best``'s tactics (YAML-ready)."""
     o = best.overrides
-    model = {k: o[k] for k in ("micro_batch_tokens", "micro_batch_size", "quantize_base", "reference_dtype") if k in o}
+    model = {k: v for k, v in o.items() if k not in ("optimizer", "precision", "activation_checkpointing")}
     fragment: dict[str, Any] = {"model": {"init_args": model}} if model else {}
     if "optimizer" in o:
         fragment["optimizer"] = {"class_path": o["optimizer"]["class_path"]}
@@ -343,6 +355,7 @@ def describe(c: Candidate) -> str:
         parts.append(f"micro_batch_size {o['micro_batch_size']}")
     if c.every_n_layers:
         parts.append(f"checkpoint every {c.every_n_layers}")
+    parts += [f"{k} {v}" for k, v in c.recomputation.items()]
     return ", ".join(parts) or "the config as it is"
 
 

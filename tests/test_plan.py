@@ -142,4 +142,10 @@ def test_gumbel_topk_is_planned_by_its_own_floor_without_layer_checkpointing():
     best, found, _ = plan(method, int(0.95 * config.peak), rates=RATES, batch_size=4, prompt_length=12)
     assert all(c.every_n_layers == 0 for c in found) and len(found) > 1
     assert all(c.seconds is not None and c.seconds > 0 for c in found)  # the floor, not the count of passes
-    assert best is not None and best.overrides.get("micro_batch_size", 4) < 4
+    assert best is not None and (best.overrides.get("micro_batch_size", 4) < 4 or best.recomputation)
+    # its own recomputation instead: recomputed steps keep less, cost one more forward, and the plan file says so
+    steps = next(c for c in found if c.recomputation)
+    assert steps.recomputation == {"checkpoint_steps": True} and steps.rows == 4
+    assert steps.peak < config.peak and steps.seconds > config.seconds
+    assert plan_fragment(steps)["model"]["init_args"] == {"checkpoint_steps": True}
+    assert "checkpoint_steps True" in describe(steps)

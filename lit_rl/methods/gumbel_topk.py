@@ -136,6 +136,7 @@ class GumbelTopK(RLMethod):
         "runs its policy one token at a time on a KV cache, which transformers turns off in checkpointed layers; "
         "set model.checkpoint_steps: true to recompute each generation step instead"
     )
+    recomputation_settings: ClassVar[dict[str, Any]] = {"checkpoint_steps": True}  # the planner's tactic instead
 
     def __init__(
         self,

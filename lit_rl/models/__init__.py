@@ -8,7 +8,7 @@ tiny random models' parts built in memory for tests (:func:`tiny_config`, :func:
 """
 
 from lit_rl.models.cache_keyword import cache_keyword, cache_kwargs, output_cache
-from lit_rl.models.checkpointing import checkpointing_refused, enable_activation_checkpointing
+from lit_rl.models.checkpointing import checkpointing_refused, enable_activation_checkpointing, own_recomputation
 from lit_rl.models.compiled_decode import compile_seconds, compile_unsupported
 from lit_rl.models.decode import decode_unsupported
 from lit_rl.models.head import (
@@ -94,6 +94,7 @@ __all__ = [
     "meta_config",
     "nf4_memory",
     "output_cache",
+    "own_recomputation",
     "quantize_base_nf4",
     "resolve_dtype",
     "resolve_source",

@@ -13,6 +13,13 @@ def checkpointing_refused(method) -> str | None:
     return getattr(method, "layer_checkpointing_refused", None) or None
 
 
+def own_recomputation(method) -> dict:
+    """The hyper-parameters that turn on ``method``'s own recomputation (its ``recomputation_settings``, e.g.
+    GumbelTopK's ``{"checkpoint_steps": True}``), or ``{}``: the planner's tactic for a method that refuses
+    checkpointed layers but recomputes in its own way."""
+    return dict(getattr(method, "recomputation_settings", None) or {})
+
+
 def enable_activation_checkpointing(model, every_n_layers: int = 1, offload: bool = False) -> int:
     """Turn on transformers' non-reentrant activation checkpointing; returns the number of checkpointed modules.
 
