@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import mmap
+
 import numpy as np
 import pytest
 import torch
@@ -334,8 +336,13 @@ def test_peak_rss_stage_sees_a_large_allocation():
     with peak_rss_stage() as small:
         pass
     with peak_rss_stage() as big:
-        block = np.ones(64 * 2**20 // 8)  # 64 MiB, touched
-        del block
+        # 64 MiB of fresh anonymous pages, touched: np.ones could be served from freed pages malloc still holds
+        # resident (after other tests in the same process), which raise no peak
+        block = mmap.mmap(-1, 64 * 2**20)
+        view = np.frombuffer(block, dtype=np.uint8)
+        view[:] = 1
+        del view
+        block.close()
     assert big.elapsed_s > 0 and big.peak_rss_gib > 0  # 0.0 is the unset default
     if big.per_stage:
         assert big.peak_rss_gib - small.peak_rss_gib > 0.05

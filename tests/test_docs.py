@@ -72,7 +72,11 @@ def test_readme_opens_with_the_two_set_up_commands():
     assert run.endswith(".yaml") and (ROOT / run.rsplit(" ", 1)[1]).is_file(), (
         f"the README's first command runs a config that does not exist: {run!r}"
     )
-    assert tests.endswith("python -m pytest -q"), f"the README's second command does not run the tests: {tests!r}"
+    # the whole suite: pytest with its options (two xdist workers), never a marker filter or a path
+    runner = tests.rsplit(" && ", 1)[-1]
+    assert re.fullmatch(r"python -m pytest -q( -n \d+)?( --dist \w+)?", runner), (
+        f"the README's second command does not run the whole test suite: {tests!r}"
+    )
 
 
 def test_ci_runs_the_readmes_second_command():
