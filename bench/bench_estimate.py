@@ -329,7 +329,8 @@ LAYER_NOTE = [
     "grouped-query attention the saved key and value are the size of the KV heads, not of the query heads; the "
     "RMSNorms keep a float32 copy of their input (Qwen2's norm upcasts); the SwiGLU MLP keeps four "
     "`[batch, T, intermediate]` tensors (the gate output, its SiLU, the up projection, and their product). The "
-    "estimator's saved-activation line above is these terms over every layer, counted on fake tensors.",
+    "estimator's saved-activation line above counts the same tensors for every layer on fake tensors, at its own "
+    "token count (with the prompt shared, one pass of 256 + 2 x 256 tokens instead of 2 x 512).",
     "",
 ]
 
