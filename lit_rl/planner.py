@@ -65,7 +65,7 @@ class Candidate:
     allowed: tuple[str, ...]  # changed-arithmetic tactics on
     estimate: Estimate
     seconds: float | None  # the roofline's step floor; None where it does not model the step
-    passes: float = 0.0  # micro-batches x (1 + checkpointed share): the order where seconds is None
+    passes: float = 0.0  # micro-batches x (1 + checkpointed share, or 1 recomputing): the order where seconds is None
     overrides: dict[str, Any] = field(default_factory=dict)  # estimate_step keywords
     recomputation: dict[str, Any] = field(default_factory=dict)  # the method's own recomputation, turned on
 
@@ -148,7 +148,7 @@ def plan(
                     every, known = least_checkpointing(
                         module, device_bytes, {**settings, **overrides}, {0: plain.estimate}
                     )
-                elif own and plain.peak > device_bytes:  # GumbelTopK recomputes its own steps instead
+                elif own:  # GumbelTopK recomputes its own steps instead (plain does not fit: it would have broken)
                     add(_candidate(module, rates, settings, {**overrides, **own}, combo))
                 if every:
                     add(_candidate(module, rates, settings, overrides, combo, every, known[every]))
