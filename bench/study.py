@@ -32,8 +32,8 @@ The YAML file holds everything that differs between studies:
   ``cells`` (``{name: function(arm) -> str}``), ``before(study, results_dir)`` (run before the arms, not with
   ``--reuse``: what the arms read, such as a rates file) and ``after(study, arms, results_dir) -> list[str]`` (lines
   added to the results file, files written beside it; a hook's own measurements, saved under ``study["runtime"].out``
-  so that ``--reuse`` reads them again). ``study["runtime"]`` holds ``out``, ``results``, ``reuse``, ``quick`` and
-  ``threads``. A study never imports another study.
+  so that ``--reuse`` reads them again). ``study["runtime"]`` holds ``out``, ``results``, ``reuse``, ``quick``,
+  ``threads`` and ``arms`` (the names this run trains). A study never imports another study.
 
 Run from the repository root::
 
@@ -245,7 +245,9 @@ def main(argv: list[str] | None = None) -> str:
     results = Path(args.results) if args.results else (scratch or harness.ROOT / "bench" / "results")
     print(f"runs in {out}, results in {results}", file=sys.stderr, flush=True)
     base = filled(base, results)
-    study["runtime"] = argparse.Namespace(out=out, results=results, reuse=args.reuse, quick=args.quick, threads=threads)
+    study["runtime"] = argparse.Namespace(
+        out=out, results=results, reuse=args.reuse, quick=args.quick, threads=threads, arms=names
+    )
     if hook is not None and hasattr(hook, "before") and not args.reuse:
         hook.before(study, results)
 

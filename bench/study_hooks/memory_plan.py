@@ -31,7 +31,8 @@ def before(study: dict, results: Path) -> None:
     runtime = study["runtime"]
     config = study["quick"]["config"] if runtime.quick else study["config"]
     results.mkdir(parents=True, exist_ok=True)
-    for name, spec in study["arms"].items():
+    for name in runtime.arms:  # only the arms this run trains: a plan takes the planner's whole search
+        spec = study["arms"][name]
         budget = _budget(study, spec)
         if budget is None:
             continue
