@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -77,9 +78,6 @@ from lit_rl.memory.units import GIB, MIB, format_bytes, parse_bytes
 from lit_rl.models import base_model, build_on_meta, checkpointing_refused, enable_activation_checkpointing
 from lit_rl.models.offload import OffloadSavedTensors
 from lit_rl.models.sharding import shard_models
-
-# ------------------------------------------------------------------------------------------------ results
-
 
 # ------------------------------------------------------------------------------------------------ estimate
 
@@ -151,7 +149,7 @@ def estimate_step(
     cast_dtype, autocast_dtype = PRECISIONS[precision]
     padded = batch_size > 1 if padded is None else padded
     method.tokenizer = StandInTokenizer(config)
-    with build_on_meta(configs):  # every model the method loads is built on the meta device
+    with build_on_meta(configs), _quiet_info():  # every model the method loads is built on the meta device
         method.configure_model()
     if cast_dtype is not None:  # Lightning's true-half precision converts the whole module after configure_model
         method.to(cast_dtype)
@@ -299,6 +297,19 @@ def copy_method(module, overrides: dict[str, Any]):
         return type(module)(**hparams)
     except TypeError as err:
         raise TypeError(f"estimate: cannot rebuild {type(module).__name__} from its hparams ({err})") from err
+
+
+@contextlib.contextmanager
+def _quiet_info():
+    """Lightning's info lines off: the method's "policy <name_or_path>: N parameters" names the config's model, not
+    the shape estimated, and the planner builds the method once per candidate. Warnings still show."""
+    logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _tie_all(method) -> None:
