@@ -16,10 +16,12 @@ floor at the machine's measured rates, or a rates file's). The tactics:
   moments), ``bf16`` (``trainer.precision: bf16-true``), ``nf4`` (a 4-bit frozen base; LoRA runs only),
   ``reference_bf16`` (the full fine-tuning reference copy in bfloat16).
 
-For every allowed combination of the changed-arithmetic tactics, micro-batches shrink by halves from the config's
-until one fits without checkpointing, or until halving lowers the peak by less than 1% of the budget (then the
-peak is weights, gradients and optimizer state, which no micro-batch changes); each size that fits only with
-checkpointing is a candidate at its least checkpointing. The fastest candidate by the roofline's floor wins (where the roofline does not model the step, a
+For every allowed combination of the changed-arithmetic tactics that does not fit as it is, its leanest setting
+(micro-batches of one row, every layer checkpointed) is estimated first; if even that does not fit, the combination
+is skipped. Otherwise micro-batches shrink by halves from the config's until one fits without checkpointing, or
+until halving lowers the peak by less than 1% of the budget (then the peak is weights, gradients and optimizer
+state, which no micro-batch changes); each size that fits only with checkpointing is a candidate at its least
+checkpointing. The fastest candidate by the roofline's floor wins (where the roofline does not model the step, a
 4-bit base or a method whose phases it does not know, the fewest passes and least recompute win instead, and the
 table says so). The plan is written as a config fragment for ``lit-rl fit --config C --config plan.yaml``, headed
 by the config it was made for, which the fit checks (:func:`plan_header` / :func:`check_plan_files`).
@@ -141,6 +143,11 @@ def plan(
                     add(plain)
                 if plain.peak <= device_bytes:
                     break  # smaller micro-batches fit too, and are slower
+                if rows == start:  # the combination's leanest setting first: if it does not fit, nothing smaller will
+                    lean = _leanest(module, rates, settings, changes, combo, rows, prompt_row, own)
+                    if lean.peak > device_bytes:
+                        add(lean)  # what this combination reaches at best (an unreachable budget's line names it)
+                        break
                 if last is not None and last - plain.peak < 0.01 * device_bytes:
                     break  # halving no longer lowers the peak (weights, gradients and state fill it): stop here
                 every, known = 0, {}
@@ -182,6 +189,17 @@ def _micro_batch(module, rows: int, row_tokens: int) -> dict[str, Any]:
     if getattr(type(module), "uses_token_lengths", False):
         return {"micro_batch_tokens": rows * row_tokens, "micro_batch_size": None}
     return {"micro_batch_size": rows}
+
+
+def _leanest(module, rates, settings, changes, combo, rows: int, row_tokens: int, own: dict[str, Any]) -> Candidate:
+    """``combo`` at its smallest setting of the kept-arithmetic tactics: micro-batches of one row and every layer
+    checkpointed (or the method's own recomputation). The search assumes, as :func:`least_checkpointing` does, that
+    fewer rows and more checkpointing never raise the peak, so a combination whose leanest setting does not fit is
+    skipped after one estimate (at 8B and 20K tokens an estimate takes minutes)."""
+    overrides = {**changes, **(_micro_batch(module, 1, row_tokens) if rows > 1 else {})}
+    if not checkpointing_refused(module):
+        return _candidate(module, rates, settings, overrides, combo, every=1)
+    return _candidate(module, rates, settings, {**overrides, **own}, combo)
 
 
 def _candidate(module, rates, settings, overrides, combo, every: int = 0, estimate: Estimate | None = None):
