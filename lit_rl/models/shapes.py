@@ -38,6 +38,11 @@ BUILTIN_SHAPES: dict[str, dict[str, Any]] = {
         num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
         max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000, bos_token_id=151643, eos_token_id=151645,
     ),
+    "qwen3-8b": dict(
+        model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False,
+        max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000, bos_token_id=151643, eos_token_id=151645,
+    ),
     "smollm2-135m": dict(
         model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
         num_attention_heads=9, num_key_value_heads=3, head_dim=64, tie_word_embeddings=True,
