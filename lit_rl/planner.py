@@ -125,6 +125,8 @@ def plan(
         choices.remove("nf4")  # needs LoRA: a full fine-tuning config cannot use it
     if "adamw8bit" in choices and settings.get("shard_processes", 1) > 1:
         choices.remove("adamw8bit")  # bitsandbytes' 8-bit AdamW does not step sharded (FSDP2) weights
+    if "bf16" in choices and settings.get("precision") == "bf16-true":
+        choices.remove("bf16")  # the config is bf16 already: the combination would repeat the one without it
     if "reference_bf16" in choices and (module.uses_lora or not module.needs_reference):
         choices.remove("reference_bf16")  # LoRA's reference is the base itself: there is no copy
     prompt_row = base.estimate.settings["sequence_length"]

@@ -77,6 +77,11 @@ def test_an_unreachable_budget_names_the_smallest_peak(method):
     assert "--allow adamw8bit,bf16,nf4,reference_bf16" in line and "\n" not in line
 
 
+def test_bf16_is_not_searched_for_a_config_in_bf16_already(method):
+    best, found, _ = plan(method, 1024, allow=("bf16",), rates=RATES, precision="bf16-true", **SHAPE)
+    assert best is None and len(found) == 2 and all(not c.allowed for c in found)  # the config and its leanest
+
+
 def _estimate_peak(args: list[str]) -> int:
     estimate, _, _ = estimate_from_args(args)
     return estimate.peak_bytes
