@@ -45,7 +45,6 @@ import io
 import json
 import logging
 import shlex
-import subprocess
 import sys
 import tempfile
 import time
@@ -341,13 +340,17 @@ def at_scale(argv: list[str]) -> str:
     env = harness.thread_env(None)
     for title, args in AT_SCALE.items():
         cmd = [sys.executable, "-m", "lit_rl", "estimate", *args]
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise SystemExit(f"{shlex.join(cmd)} exited {proc.returncode}:\n{proc.stdout}{proc.stderr}")
+        with tempfile.TemporaryDirectory() as tmp:  # the estimate's stdout alone is quoted; progress is on stderr
+            stdout = Path(tmp) / "stdout.txt"
+            try:
+                harness.run_measured(cmd, None, env, stdout, stderr=Path(tmp) / "stderr.txt")
+            except harness.ChildFailed as err:
+                raise SystemExit(f"{shlex.join(cmd)} exited {err.code}:\n{err.output}") from err
+            text = stdout.read_text()
         print(f"{title}: done", file=sys.stderr, flush=True)
         loads.append(harness.load_average())
         sections += [f"### {title}", "", "    " + shlex.join(["lit-rl", "estimate", *args]), "", "```"]
-        sections += [proc.stdout.rstrip(), "```", ""]
+        sections += [text.rstrip(), "```", ""]
     sections += ["## What one decoder layer keeps for backward", "", *LAYER_NOTE, layer_breakdown()]
     return "\n".join([
         *harness.header_lines(

@@ -149,22 +149,35 @@ def report(mark: str, result: dict[str, Any]) -> None:
 
 
 def run_measured(
-    cmd: list[str], mark: str | None, env: dict[str, str], log: Path | None = None, *, cwd: Path = ROOT
+    cmd: list[str],
+    mark: str | None,
+    env: dict[str, str],
+    log: Path | None = None,
+    *,
+    cwd: Path = ROOT,
+    stderr: Path | None = None,
 ) -> Measured:
     """Run ``cmd`` from ``cwd`` (the repository root) with ``env``, its output (stdout and stderr) in ``log`` (a
-    temporary file when ``None``); ``os.wait4``'s ``ru_maxrss`` is the kernel's high-water mark of the child's whole
-    lifetime. With a ``mark``, the child's last line starting with it is its result. Raises :class:`ChildFailed` on
-    a non-zero exit."""
+    temporary file when ``None``); with ``stderr`` (a file), the child's stderr goes there and ``log`` holds its
+    stdout alone (what a results file quotes). ``os.wait4``'s ``ru_maxrss`` is the kernel's high-water mark of the
+    child's whole lifetime. With a ``mark``, the child's last line starting with it is its result. Raises
+    :class:`ChildFailed` on a non-zero exit, with both outputs."""
     load0, start = load_average(), time.perf_counter()
-    with open(log, "w+") if log is not None else tempfile.TemporaryFile("w+") as out:
-        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
+    with (
+        open(log, "w+") if log is not None else tempfile.TemporaryFile("w+") as out,
+        open(stderr, "w+") if stderr is not None else tempfile.TemporaryFile("w+") as err,
+    ):
+        proc = subprocess.Popen(
+            cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT if stderr is None else err, text=True
+        )
         _, status, usage = os.wait4(proc.pid, 0)
         wall = time.perf_counter() - start
         out.seek(0)
-        text = out.read()
+        err.seek(0)
+        text, errors = out.read(), err.read()
     code = os.waitstatus_to_exitcode(status)
     if code != 0:
-        raise ChildFailed(code, text)
+        raise ChildFailed(code, text + errors)
     result = {}
     if mark is not None:
         line = next(ln for ln in reversed(text.splitlines()) if ln.startswith(mark))

@@ -275,3 +275,20 @@ def test_git_commit_marks_changed_code_but_not_written_results(tmp_path):
     assert re.fullmatch(r"[0-9a-f]{7,}", clean)
     assert after_results == clean
     assert after_code == clean + "+changes"
+
+
+def test_a_measured_child_keeps_its_stdout_apart_when_asked(tmp_path):
+    """``harness.run_measured`` with ``stderr``: the log holds the child's stdout alone (what a results file quotes,
+    as ``bench_estimate.py --at-scale`` quotes the estimate), the other file its stderr; a failure carries both."""
+    from bench_loader import load_bench
+
+    child = "import sys; print('table'); print('progress', file=sys.stderr); sys.exit(int(sys.argv[1]))"
+    with load_bench("harness.py") as harness:
+        out, err = tmp_path / "out.txt", tmp_path / "err.txt"
+        done = harness.run_measured([sys.executable, "-c", child, "0"], None, {}, out, stderr=err)
+        assert out.read_text() == "table\n" and err.read_text() == "progress\n" and done.peak_rss > 0
+        harness.run_measured([sys.executable, "-c", child, "0"], None, {}, out)
+        assert sorted(out.read_text().split()) == ["progress", "table"]  # merged, as every other caller wants
+        with pytest.raises(harness.ChildFailed) as failed:
+            harness.run_measured([sys.executable, "-c", child, "3"], None, {}, out, stderr=err)
+        assert failed.value.code == 3 and "table" in failed.value.output and "progress" in failed.value.output
