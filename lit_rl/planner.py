@@ -21,10 +21,12 @@ For every allowed combination of the changed-arithmetic tactics that does not fi
 is skipped. Otherwise micro-batches shrink by halves from the config's until one fits without checkpointing, or
 until halving lowers the peak by less than 1% of the budget (then the peak is weights, gradients and optimizer
 state, which no micro-batch changes); each size that fits only with checkpointing is a candidate at its least
-checkpointing. The fastest candidate by the roofline's floor wins (where the roofline does not model the step, a
-4-bit base or a method whose phases it does not know, the fewest passes and least recompute win instead, and the
-table says so). The plan is written as a config fragment for ``lit-rl fit --config C --config plan.yaml``, headed
-by the config it was made for, which the fit checks (:func:`plan_header` / :func:`check_plan_files`).
+checkpointing. A candidate whose roofline floor (computed before its estimate, from the config's) is above that of
+one that fits already is not estimated, nor are the smaller micro-batches after it. The fastest candidate by the
+roofline's floor wins (where the roofline does not model the step, a 4-bit base or a method whose phases it does
+not know, the fewest passes and least recompute win instead, and the table says so). The plan is written as a
+config fragment for ``lit-rl fit --config C --config plan.yaml``, headed by the config it was made for, which the
+fit checks (:func:`plan_header` / :func:`check_plan_files`).
 """
 
 from __future__ import annotations
@@ -140,6 +142,12 @@ def plan(
             last = None
             while rows >= 1:  # the config's micro-batch, then halves of it
                 overrides = {**changes, **(_micro_batch(module, rows, prompt_row) if rows < start else {})}
+                fastest = min(
+                    (c.seconds for c in found if c.peak <= device_bytes and c.seconds is not None), default=None
+                )
+                bound = _floor_before(module, base, rates, overrides) if fastest is not None else None
+                if bound is not None and bound > fastest:
+                    break  # slower than a candidate that fits, as is every smaller or checkpointed micro-batch
                 plain = _candidate(module, rates, settings, overrides, combo) if (combo or rows < start) else base
                 if plain is not base:
                     add(plain)
@@ -217,9 +225,35 @@ def _candidate(module, rates, settings, overrides, combo, every: int = 0, estima
                      own)  # fmt: skip
 
 
+def _floor_before(module, base: Candidate, rates: dict[str, Any], overrides: dict[str, Any]) -> float | None:
+    """The roofline's floor of a candidate without checkpointing, before it is estimated: the config's estimate's
+    settings with the candidate's micro-batch (as the method cuts it) and precision. The search prunes by it, so a
+    test checks it equals :func:`_floor_seconds` of the candidate's own estimate."""
+    s = dict(base.estimate.settings)
+    method = copy_method(module, {k: v for k, v in overrides.items() if k != "precision"})
+    row = s["prompt_length"] + s["max_new_tokens"]
+    s.update(
+        precision=overrides.get("precision", s["precision"]),
+        activation_checkpointing=0,
+        hparams={**s["hparams"], **overrides},
+        micro_batch_size=method.micro_batches(s["batch"], [row] * s["batch"])[0].stop,
+    )
+    return _floor(module, s, _trainable(base.estimate), rates, overrides)
+
+
+def _trainable(estimate: Estimate) -> int:
+    """Trained weights: the estimate's gradient bytes over the bytes of one weight at its precision."""
+    weight_bytes = 2 if estimate.settings["precision"] in ("bf16-true", "16-true") else 4
+    return next((c.bytes for c in estimate.components if c.name == "gradients"), 0) // weight_bytes
+
+
 def _floor_seconds(module, estimate: Estimate, rates: dict[str, Any], overrides: dict[str, Any]) -> float | None:
     """The roofline's floor of the estimated step (every phase it models), or None where it does not model it."""
-    s = estimate.settings
+    return _floor(module, estimate.settings, _trainable(estimate), rates, overrides)
+
+
+def _floor(module, s: dict[str, Any], trainable: int, rates: dict[str, Any], overrides: dict[str, Any]) -> float | None:
+    """The floor of a step with the estimate settings ``s`` and ``trainable`` trained weights."""
     if s["hparams"].get("quantize_base", "none") != "none":  # the estimate's hparams hold the overrides too
         return None  # the 4-bit base's dequantization is not modelled
     try:
@@ -231,8 +265,6 @@ def _floor_seconds(module, estimate: Estimate, rates: dict[str, Any], overrides:
         return None  # the roofline counts the GRPO family's phases and a declared differentiable rollout's
     half = s["precision"].split("-")[0] in ("bf16", "16")
     weight_bytes = 2 if s["precision"] in ("bf16-true", "16-true") else 4
-    gradients = next((c.bytes for c in estimate.components if c.name == "gradients"), 0)
-    trainable = gradients // weight_bytes
     step = StepSettings.of(
         work,
         trainable=trainable,

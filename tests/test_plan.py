@@ -10,7 +10,7 @@ import yaml
 from lit_rl.cli import estimate_from_args, main
 from lit_rl.memory.units import format_bytes
 from lit_rl.methods import RefCachedGRPO
-from lit_rl.planner import describe, plan, plan_fragment, unreachable_line
+from lit_rl.planner import _candidate, _floor_before, _micro_batch, describe, plan, plan_fragment, unreachable_line
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs/grpo_tiny.yaml")
@@ -52,6 +52,22 @@ def test_the_plan_is_the_fastest_candidate_that_fits(tight):
     assert any(c.peak > budget for c in found)  # the search saw candidates that do not fit
     assert not best.allowed and all(not c.allowed for c in found)  # nothing changes the arithmetic unless allowed
     assert "micro_batch_tokens" in best.overrides or best.every_n_layers  # a smaller micro-batch or checkpointing
+
+
+def test_the_floor_the_search_prunes_by_is_the_estimated_candidates(method):
+    """The search skips a candidate whose floor, computed from the config's estimate before its own, is above a
+    fitting one's: that floor must be what the candidate's own estimate gives (micro-batch and precision included)."""
+    base = _candidate(method, RATES, SHAPE, {}, ())
+    rows, row = base.estimate.settings["micro_batch_size"], base.estimate.settings["sequence_length"]
+    eight_bit = {"optimizer": {"class_path": "bitsandbytes.optim.AdamW8bit", "init_args": {}}}
+    cases = [{}, _micro_batch(method, rows // 2, row), _micro_batch(method, 1, row), {"precision": "bf16-true"},
+             {**eight_bit, **_micro_batch(method, 2, row)}]  # fmt: skip
+    floors = []
+    for overrides in cases:
+        estimated = _candidate(method, RATES, SHAPE, overrides, ("any",) if overrides else ())
+        floors.append(_floor_before(method, base, RATES, overrides))
+        assert floors[-1] == pytest.approx(estimated.seconds, rel=1e-9), overrides
+    assert floors[0] <= floors[1] < floors[2] and floors[3] < floors[0]  # fewer rows per pass never save time
 
 
 @pytest.mark.slow  # a second search with the 8-bit optimizer
