@@ -235,6 +235,8 @@ def test_quick_run_writes_the_columns_and_a_row_per_arm(name, tmp_path):
             for part in flag.removeprefix("--").split("."):
                 node = node[-1] if isinstance(node, list) else node  # `callbacks.init_args`: the last callback's
                 node = node[part]
+            if isinstance(node, dict) and "class_path" in node:  # `--optimizer X`: saved with X's init_args
+                node = node["class_path"]
             assert node == yaml.safe_load(str(value)), (arm, flag, node)
     if name in CHECKS:
         CHECKS[name](dict(zip(headers, zip(*rows))), [r[0] for r in rows], text)
@@ -275,6 +277,25 @@ def test_git_commit_marks_changed_code_but_not_written_results(tmp_path):
     assert re.fullmatch(r"[0-9a-f]{7,}", clean)
     assert after_results == clean
     assert after_code == clean + "+changes"
+
+
+def test_the_tactics_table_in_the_memory_page_is_the_committed_runs():
+    """docs/memory.md's tactics table is written by the tactics study's hook from its runs: every row's tensor peak,
+    its ratio, the peak RSS and the held-out curve are the committed results file's cells for the same tactic."""
+    page = (ROOT / "docs" / "memory.md").read_text()
+    begin = "<!-- tactics table: written by `nice -n 10 python bench/study.py tactics` -->"
+    block = page.split(begin, 1)[1].split("<!-- end of tactics -->", 1)[0]
+    _, docs_rows = _first_table(block)
+    headers, rows = _first_table((ROOT / "bench" / "results" / "tactics.md").read_text())
+    results = {r[0]: dict(zip(headers, r)) for r in rows}
+    assert [r[0] for r in docs_rows] == list(results)  # every tactic, in the study's order
+    for tactic, peak, rss, step, accuracy in docs_rows:
+        row = results[tactic]
+        assert peak == f"{row['tensor peak GiB']} ({row['vs none']})", tactic
+        assert rss == f"{row['peak RSS GiB']} ({row['RSS vs none']})", tactic
+        assert step == row["step s (vs none)"], tactic
+        held_out = next(v for k, v in row.items() if k.startswith("held-out accuracy"))
+        assert [float(x) for x in accuracy.split(" → ")] == [float(x) for x in held_out.split(" → ")], tactic
 
 
 def test_a_measured_child_keeps_its_stdout_apart_when_asked(tmp_path):
