@@ -16,12 +16,12 @@ floor at the machine's measured rates, or a rates file's). The tactics:
   moments), ``bf16`` (``trainer.precision: bf16-true``), ``nf4`` (a 4-bit frozen base; LoRA runs only),
   ``reference_bf16`` (the full fine-tuning reference copy in bfloat16).
 
-For every allowed combination of the changed-arithmetic tactics that does not fit as it is, its leanest setting
-(micro-batches of one row, every layer checkpointed) is estimated first; if even that does not fit, the combination
-is skipped. Otherwise micro-batches shrink by halves from the config's until one fits without checkpointing, or
-until halving lowers the peak by less than 1% of the budget (then the peak is weights, gradients and optimizer
-state, which no micro-batch changes); each size that fits only with checkpointing is a candidate at its least
-checkpointing. A candidate whose roofline floor (computed before its estimate, from the config's) is above that of
+For every allowed combination of the changed-arithmetic tactics that does not fit at the config's micro-batch even
+with every layer checkpointed, its leanest setting (micro-batches of one row, every layer checkpointed) is estimated
+next; if even that does not fit, the combination is skipped. Otherwise micro-batches shrink by halves from the
+config's until one fits without checkpointing, or until halving lowers the peak by less than 1% of the budget (then
+the peak is weights, gradients and optimizer state, which no micro-batch changes); each size that fits only with
+checkpointing is a candidate at its least checkpointing. A candidate whose roofline floor (computed before its estimate, from the config's) is above that of
 one that fits already is not estimated, nor are the smaller micro-batches after it. The fastest candidate by the
 roofline's floor wins (where the roofline does not model the step, a 4-bit base or a method whose phases it does
 not know, the fewest passes and least recompute win instead, and the table says so). The plan is written as a
@@ -153,22 +153,24 @@ def plan(
                     add(plain)
                 if plain.peak <= device_bytes:
                     break  # smaller micro-batches fit too, and are slower
-                if rows == start:  # the combination's leanest setting first: if it does not fit, nothing smaller will
-                    lean = _leanest(module, rates, settings, changes, combo, rows, prompt_row, own)
-                    if lean.peak > device_bytes:
-                        add(lean)  # what this combination reaches at best (an unreachable budget's line names it)
-                        break
                 if last is not None and last - plain.peak < 0.01 * device_bytes:
                     break  # halving no longer lowers the peak (weights, gradients and state fill it): stop here
-                every, known = 0, {}
+                every, known, recomputed = 0, {}, None
                 if not checkpointing_refused(module):
                     every, known = least_checkpointing(
                         module, device_bytes, {**settings, **overrides}, {0: plain.estimate}
                     )
                 elif own:  # GumbelTopK recomputes its own steps instead (plain does not fit: it would have broken)
-                    add(_candidate(module, rates, settings, {**overrides, **own}, combo))
+                    recomputed = _candidate(module, rates, settings, {**overrides, **own}, combo)
+                    add(recomputed)
                 if every:
                     add(_candidate(module, rates, settings, overrides, combo, every, known[every]))
+                fitted = every or (recomputed is not None and recomputed.peak <= device_bytes)
+                if rows == start and rows > 1 and not fitted:  # nothing fits at the config's micro-batch: if the
+                    lean = _leanest(module, rates, settings, changes, combo, rows, prompt_row, own)  # leanest setting
+                    if lean.peak > device_bytes:  # does not fit either, no smaller micro-batch will
+                        add(lean)  # what this combination reaches at best (an unreachable budget's line names it)
+                        break
                 last, rows = plain.peak, rows // 2 if rows > 1 else 0
     fitting = [c for c in found if c.peak <= device_bytes]
     best = min(fitting, key=_order, default=None)
