@@ -21,12 +21,12 @@ with every layer checkpointed, its leanest setting (micro-batches of one row, ev
 next; if even that does not fit, the combination is skipped. Otherwise micro-batches shrink by halves from the
 config's until one fits without checkpointing, or until halving lowers the peak by less than 1% of the budget (then
 the peak is weights, gradients and optimizer state, which no micro-batch changes); each size that fits only with
-checkpointing is a candidate at its least checkpointing. A candidate whose roofline floor (computed before its estimate, from the config's) is above that of
-one that fits already is not estimated, nor are the smaller micro-batches after it. The fastest candidate by the
-roofline's floor wins (where the roofline does not model the step, a 4-bit base or a method whose phases it does
-not know, the fewest passes and least recompute win instead, and the table says so). The plan is written as a
-config fragment for ``lit-rl fit --config C --config plan.yaml``, headed by the config it was made for, which the
-fit checks (:func:`plan_header` / :func:`check_plan_files`).
+checkpointing is a candidate at its least checkpointing. A candidate whose roofline floor (computed before its
+estimate, from the config's) is above that of one that fits already is not estimated, nor are the smaller
+micro-batches after it. The fastest candidate by the roofline's floor wins (where the roofline does not model the
+step, a 4-bit base or a method whose phases it does not know, the fewest passes and least recompute win instead,
+and the table says so). The plan is written as a config fragment for ``lit-rl fit --config C --config plan.yaml``,
+headed by the config it was made for, which the fit checks (:func:`plan_header` / :func:`check_plan_files`).
 """
 
 from __future__ import annotations
