@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import logging
 import math
 import sys
 from dataclasses import dataclass, field
@@ -309,13 +308,8 @@ def write_plan(
     if device_bytes is None:
         raise ValueError("--plan: needs --device-memory, the budget to plan for; e.g. --device-memory 2GiB")
     allowed = tuple(CHANGES_ARITHMETIC) if allow == "all" else tuple(a for a in allow.split(",") if a)
-    quiet = logging.getLogger("lightning.pytorch.utilities.rank_zero")  # "policy ...: N parameters" per estimate
-    level, _ = quiet.level, quiet.setLevel(logging.WARNING)
-    try:
-        machine = load_rates(rates) if rates else None
-        best, found, base = plan(module, device_bytes, allow=allowed, rates=machine, progress=True, **settings)
-    finally:
-        quiet.setLevel(level)
+    machine = load_rates(rates) if rates else None
+    best, found, base = plan(module, device_bytes, allow=allowed, rates=machine, progress=True, **settings)
     print("\n" + plan_table(best, found, base, device_bytes))
     if best is None:
         raise ValueError(unreachable_line(found, device_bytes, allowed))
