@@ -11,7 +11,8 @@ runs as ``python -m lit_rl`` from the repository root, so it always runs this ch
   1-minute load average before and after, its last result line) and :func:`run_fit` (``lit-rl fit`` writing to a
   folder, with a ``bench_run.json`` record so a table can be rebuilt from runs already made; this checkout's code or
   a given commit's, :func:`export_commit`); what a run does not log by itself, a probe in ``bench/probes.py`` logs;
-- **a run's logs**: :func:`read_scalar_events`, :func:`read_scalars`, :func:`training_seconds` (TensorBoard);
+- **a run's logs**: :func:`read_scalar_events`, :func:`read_scalars`, :func:`training_seconds`,
+  :func:`median_step_seconds` (TensorBoard);
 - **the results header**: :func:`header_lines` (the command that reproduces the file, the machine, the commit,
   versions, and the note that times depend on the machine's load while tensor bytes do not).
 """
@@ -23,6 +24,7 @@ import json
 import os
 import platform
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -286,6 +288,15 @@ def training_seconds(run: Path) -> dict[int, float]:
         total += per_step[index]
         out[index + 1] = total
     return out
+
+
+def median_step_seconds(run: Path) -> float | None:
+    """The median of a run's per-step summed phase times (:func:`training_seconds`), the first step (warm-up) left
+    out; None with fewer than two steps."""
+    seconds = training_seconds(run)
+    steps = sorted(seconds)
+    each = [seconds[b] - seconds[a] for a, b in zip(steps, steps[1:])][1:]
+    return statistics.median(each) if each else None
 
 
 def mean(values: list[float]) -> float:

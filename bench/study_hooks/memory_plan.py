@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import re
 import shlex
-import statistics
 import sys
 from pathlib import Path
 
@@ -82,10 +81,8 @@ def fits(arm) -> str:
 
 
 def step(arm) -> str:
-    seconds = harness.training_seconds(arm.run_dir)
-    steps = sorted(seconds)
-    each = [seconds[b] - seconds[a] for a, b in zip(steps, steps[1:])][1:]  # the first step warms up
-    return f"{statistics.median(each):.2f}" if each else "—"
+    seconds = harness.median_step_seconds(arm.run_dir)
+    return "—" if seconds is None else f"{seconds:.2f}"
 
 
 cells = {"plan": plan, "budget": budget, "fits": fits, "step": step}

@@ -10,7 +10,6 @@ the markers in docs/memory.md, so the page shows what this command measured.
 
 from __future__ import annotations
 
-import statistics
 from pathlib import Path
 
 import harness
@@ -20,10 +19,10 @@ BEGIN, END = "<!-- tactics table: written by `nice -n 10 python bench/study.py t
 
 
 def _median_step(arm) -> float | None:
-    seconds = harness.training_seconds(arm.run_dir)
-    steps = sorted(seconds)
-    each = [seconds[b] - seconds[a] for a, b in zip(steps, steps[1:])][1:]  # the first step warms up
-    return statistics.median(each) if each else None
+    """The run's median step seconds, read from its logs once (every row's cell divides by the first arm's)."""
+    if "median_step" not in arm.extra:
+        arm.extra["median_step"] = harness.median_step_seconds(arm.run_dir)
+    return arm.extra["median_step"]
 
 
 def _ratio(own: float | None, first: float | None) -> str:
