@@ -231,7 +231,7 @@ def _floor_before(module, base: Candidate, rates: dict[str, Any], overrides: dic
     settings with the candidate's micro-batch (as the method cuts it) and precision. The search prunes by it, so a
     test checks it equals :func:`_floor_seconds` of the candidate's own estimate."""
     s = dict(base.estimate.settings)
-    method = copy_method(module, {k: v for k, v in overrides.items() if k != "precision"})
+    method = _with_overrides(module, overrides)
     row = s["prompt_length"] + s["max_new_tokens"]
     s.update(
         precision=overrides.get("precision", s["precision"]),
@@ -239,7 +239,7 @@ def _floor_before(module, base: Candidate, rates: dict[str, Any], overrides: dic
         hparams={**s["hparams"], **overrides},
         micro_batch_size=method.micro_batches(s["batch"], [row] * s["batch"])[0].stop,
     )
-    return _floor(module, s, _trainable(base.estimate), rates, overrides)
+    return _floor(method, s, _trainable(base.estimate), rates)
 
 
 def _trainable(estimate: Estimate) -> int:
@@ -250,19 +250,25 @@ def _trainable(estimate: Estimate) -> int:
 
 def _floor_seconds(module, estimate: Estimate, rates: dict[str, Any], overrides: dict[str, Any]) -> float | None:
     """The roofline's floor of the estimated step (every phase it models), or None where it does not model it."""
-    return _floor(module, estimate.settings, _trainable(estimate), rates, overrides)
+    return _floor(_with_overrides(module, overrides), estimate.settings, _trainable(estimate), rates)
 
 
-def _floor(module, s: dict[str, Any], trainable: int, rates: dict[str, Any], overrides: dict[str, Any]) -> float | None:
-    """The floor of a step with the estimate settings ``s`` and ``trainable`` trained weights."""
+def _with_overrides(module, overrides: dict[str, Any]):
+    """A copy of the method with a candidate's hyper-parameters (precision is the Trainer's, not the method's)."""
+    return copy_method(module, {k: v for k, v in overrides.items() if k != "precision"})
+
+
+def _floor(method, s: dict[str, Any], trainable: int, rates: dict[str, Any]) -> float | None:
+    """The floor of ``method``'s step (a candidate's copy) with the estimate settings ``s`` and ``trainable`` trained
+    weights."""
     if s["hparams"].get("quantize_base", "none") != "none":  # the estimate's hparams hold the overrides too
         return None  # the 4-bit base's dequantization is not modelled
     try:
         shape = ModelShape.from_config(s["config"])
     except ValueError:
         return None
-    work = copy_method(module, {k: v for k, v in overrides.items() if k not in ("precision",)}).step_work()
-    if work.differentiable is None and not {"rollout", "reference", "policy_forward"} <= set(type(module).phase_names):
+    work = method.step_work()
+    if work.differentiable is None and not {"rollout", "reference", "policy_forward"} <= set(type(method).phase_names):
         return None  # the roofline counts the GRPO family's phases and a declared differentiable rollout's
     half = s["precision"].split("-")[0] in ("bf16", "16")
     weight_bytes = 2 if s["precision"] in ("bf16-true", "16-true") else 4
