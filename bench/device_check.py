@@ -115,6 +115,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, help="optimizer steps per fit (default 2)")
     parser.add_argument("--new-tokens", type=int, help="completion length of GRPO and Intuitor (default 64)")
     parser.add_argument("--decode-lengths", type=int, nargs="+", help="decode lengths (default 256)")
+    parser.add_argument("--decode-dtypes", nargs="+", default=["bfloat16"], choices=["float32", "bfloat16"],
+                        help="the decode part's model dtypes (default bfloat16)")  # fmt: skip
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS), help="the tactics part's arms")
     parser.add_argument(
         "--oom-budget-gib",
@@ -140,11 +142,17 @@ def _method(name: str, case: Case, sizes: Sizes, **extra: Any):
         quantize_base="nf4" if case.nf4 else "none", micro_batch_size=1, learning_rate=1e-6,
     )  # fmt: skip
     if name == "gumbel_topk":
-        return GumbelTopK(reward_model=case.model, max_new_tokens=sizes.gumbel_tokens, **common, **extra)
+        return GumbelTopK(reward_model=case.model, **{"max_new_tokens": sizes.gumbel_tokens, **common, **extra})
     common.update(num_generations=sizes.generations, max_new_tokens=sizes.new_tokens)
-    if name == "grpo":  # a length-free reward: a random model's completions still get varied scores
-        return RefCachedGRPO(reward_funcs=["lit_rl.data.rewards.number_only"], **common, **extra)
+    if name == "grpo":  # a length-free reward
+        return RefCachedGRPO(**{"reward_funcs": ["lit_rl.data.rewards.number_only"], **common, **extra})
     return Intuitor(**common, **extra)
+
+
+def letter_share(completions: list[str], **_: Any) -> list[float]:
+    """The share of a completion's characters that are letters: a reward that varies over a random-weight model's
+    completions, so GRPO's advantages, and with them the update, are not zero."""
+    return [sum(ch.isalpha() for ch in c) / max(len(c), 1) for c in completions]
 
 
 def _data(sizes: Sizes) -> PromptDataModule:
@@ -262,13 +270,15 @@ def predict_missing(results: dict, cases: tuple, sizes: Sizes, workers: int) -> 
         results["predicted_later"] = {"entries": filled, "torch": torch.__version__, "commit": harness.git_commit()}
 
 
-def fit(method_name: str, case: Case, sizes: Sizes, root: Path, callbacks: list | None = None, **extra: Any) -> dict:
+def fit(method_name: str, case: Case, sizes: Sizes, root: Path, callbacks: list | None = None, strategy=None,
+        **extra: Any) -> dict:  # fmt: skip
     """Train ``sizes.steps`` steps under the MemoryProfiler (no predictions of its own: :class:`Predictions` makes
     them); its summary (per phase: peaks and the roofline) and the steps' shapes."""
     _clear()
     profiler, shapes = MemoryProfiler(every_n_steps=1, predict=False), StepShapes()
     trainer = L.Trainer(
-        accelerator="auto", devices=1, precision=case.precision, max_steps=sizes.steps, logger=False,
+        accelerator="auto", devices=1, strategy=strategy or "auto", precision=case.precision, max_steps=sizes.steps,
+        logger=False,
         callbacks=[profiler, shapes, *(callbacks or [])], enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0, default_root_dir=str(root),
     )  # fmt: skip
@@ -343,10 +353,15 @@ def copy_bandwidth(device: torch.device) -> float:
     return 2 * n * 4 / best
 
 
+# each decode side: sample_completions' own_decode; "fast" is the own loop with fast_draw (ended rows dropped, one
+# uniform number per token)
+DECODE_SIDES = {"generate": False, "own": "own", "fast": "own", "compiled": "compiled"}
+
+
 def part_decode(args, cases, sizes, record) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     record("decode", "bandwidth", lambda: {"copy_bytes_per_s": copy_bandwidth(device)})
-    for dtype in ("bfloat16",):
+    for dtype in args.decode_dtypes:
         record("decode", f"{sizes.decode_model} {dtype}", lambda d=dtype: _decode_entry(sizes, device, d))
 
 
@@ -371,7 +386,7 @@ def _decode_entry(sizes: Sizes, device: torch.device, dtype: str) -> dict:
         start = time.perf_counter()
         sample_completions(
             model, ids, mask, tokenizer.pad_token_id, [tokenizer.eos_token_id], repeats=repeats, share_prompt=True,
-            own_decode={"generate": False, "own": "own", "compiled": "compiled"}[side], max_new_tokens=length,
+            own_decode=DECODE_SIDES[side], fast_draw=side == "fast", max_new_tokens=length,
             min_new_tokens=length, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
         )  # fmt: skip
         sync()
@@ -381,7 +396,7 @@ def _decode_entry(sizes: Sizes, device: torch.device, dtype: str) -> dict:
     try:
         for length in sizes.decode_lengths:
             row: dict[str, Any] = {}
-            for side in ("generate", "own", "compiled"):
+            for side in DECODE_SIDES:
                 first = run(side, length)  # warms (and for the compiled step, compiles and captures the graph)
                 best = min(run(side, length) for _ in range(2))
                 row[side] = {"first_s": first, "best_s": best, "tokens_per_s": repeats * length / best}
@@ -415,6 +430,71 @@ def _tactic_entry(arm: str, callbacks: list, case: Case, sizes: Sizes, args) -> 
     summary = fit("grpo", case, sizes, root, callbacks=callbacks)
     entry = {"arm": arm, "phases": phase_rows(summary), "wall_s": summary["wall_s"], "shapes": summary["shapes"]}
     args.predictions.submit(entry, "grpo", case, sizes, arm, summary["shapes"])
+    return entry
+
+
+class FinalWeights(Callback):
+    """The policy's trainable weights at the end of a fit, on the host (a sharded weight by its local shard: one
+    process holds all of it)."""
+
+    def __init__(self) -> None:
+        self.weights: dict[str, torch.Tensor] = {}
+        self.update = 0.0  # the largest change of a weight over the fit: what a difference between runs compares to
+
+    @staticmethod
+    def _read(pl_module) -> dict[str, torch.Tensor]:
+        return {
+            name: (param.to_local() if hasattr(param, "to_local") else param).detach().to("cpu", torch.float64, copy=True)
+            for name, param in pl_module.policy.named_parameters() if param.requires_grad
+        }  # fmt: skip
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.weights = self._read(pl_module)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        start, self.weights = self.weights, self._read(pl_module)
+        self.update = max((self.weights[k] - w).abs().max().item() for k, w in start.items())
+
+
+FSDP2_ARMS = {"one device": None, "FSDP2": {}, "FSDP2 cpu_offload": {"cpu_offload": True}}
+
+
+def part_fsdp2(args, cases, sizes, record) -> None:
+    """GRPO on the full fine-tuning case under :class:`~lit_rl.strategies.FSDP2Strategy` in one process (NCCL on a
+    GPU: two processes cannot share one GPU under NCCL), with and without ``cpu_offload``, beside the same seeded run
+    without a strategy: per-phase peaks, and the final weights' largest difference from that run."""
+    import torch.distributed as dist
+
+    case, reference = cases[0], {}
+    try:
+        for arm, options in FSDP2_ARMS.items():
+            record("fsdp2", f"grpo / {case.name} / {arm}",
+                   lambda a=arm, o=options: _fsdp2_entry(a, o, case, sizes, args, reference))  # fmt: skip
+    finally:
+        if dist.is_initialized():  # the next fit, or a test in this process, must not find a process group
+            dist.destroy_process_group()
+
+
+def _fsdp2_entry(arm: str, options: dict | None, case: Case, sizes: Sizes, args, reference: dict) -> dict:
+    from lit_rl.strategies import FSDP2Strategy
+
+    if options and options.get("cpu_offload") and not torch.cuda.is_available():
+        return {"skipped": "cpu_offload needs an accelerator (refused on a CPU run)"}
+    weights = FinalWeights()
+    strategy = None if options is None else FSDP2Strategy(**options)
+    L.seed_everything(0, verbose=False)  # the same random weights and samples in every arm
+    summary = fit("grpo", case, sizes, Path(args.workdir) / "fsdp2" / arm.replace(" ", "_"), callbacks=[weights],
+                  strategy=strategy, reward_funcs=["device_check.letter_share"], learning_rate=1e-4)  # fmt: skip
+    entry = {"arm": arm, "phases": phase_rows(summary), "wall_s": summary["wall_s"], "shapes": summary["shapes"],
+             "max_abs_update": weights.update}  # fmt: skip
+    if options is None:
+        reference.update(weights.weights)
+    elif reference:
+        # by name where both runs name a weight (a tied head is named by the embedding in one, the head in the other)
+        diffs = [(weights.weights[k] - w).abs().max().item() for k, w in reference.items() if k in weights.weights]
+        entry["max_abs_weight_diff"], entry["weights_compared"] = max(diffs), f"{len(diffs)} of {len(reference)}"
+    if torch.cuda.is_available():
+        args.predictions.submit(entry, "grpo", case, sizes, None, summary["shapes"])  # the one-process estimate
     return entry
 
 
@@ -531,7 +611,7 @@ def _vs_trl_entry(setup: TrlSetup, args) -> dict:
 
 
 PARTS = {"peaks": part_peaks, "decode": part_decode, "tactics": part_tactics, "oom": part_oom, "vs_trl": part_vs_trl,
-         "peaks_large": part_peaks_large}  # fmt: skip
+         "fsdp2": part_fsdp2, "peaks_large": part_peaks_large}  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------ the results
@@ -632,19 +712,19 @@ def render(results: dict) -> str:
     decode = results["decode"]
     bandwidth = decode.get("bandwidth", {}).get("copy_bytes_per_s")
     lines.append(f"Copy bandwidth measured: {_f(bandwidth and bandwidth / 1e12, '.2f')} TB/s (bytes read + written).")
-    lines += ["", "| model | new tokens | rows | generate | own loop | compiled (CUDA graphs) | floor |",
-              "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    lines += ["", "| model | new tokens | rows | generate | own loop | own loop, fast draw | compiled (CUDA graphs) | "
+              "floor |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
     for key, entry in decode.items():
         if key == "bandwidth":
             continue
         if "lengths" not in entry:
-            lines.append(f"| {key} | **failed** | {entry.get('error')} | | | | |")
+            lines.append(f"| {key} | **failed** | {entry.get('error')} | | | | | |")
             continue
         for length, row in entry["lengths"].items():
             floor = entry["rows"] * bandwidth / entry["weight_bytes"] if bandwidth else None
             lines.append(
                 f"| {key} | {length} | {entry['rows']} | "
-                + " | ".join(_f(row[s]["tokens_per_s"], ".0f") for s in ("generate", "own", "compiled"))
+                + " | ".join(_f(row.get(s, {}).get("tokens_per_s"), ".0f") for s in DECODE_SIDES)
                 + f" | {_f(floor, '.0f')} |"
             )
     lines += [
@@ -688,6 +768,27 @@ def render(results: dict) -> str:
                 f"{_f(ours['max_allocated_gib'], '.3f')} | {_f(theirs['max_allocated_gib'], '.3f')} | "
                 f"{_f(ours['max_reserved_gib'], '.3f')} | {_f(theirs['max_reserved_gib'], '.3f')} |"
             )
+    fsdp2 = results.get("fsdp2", {})
+    if fsdp2:
+        lines += ["", "## FSDP2 in one process against no strategy", "",
+                  "GRPO, the same seeded run under `FSDP2Strategy` (one process: NCCL refuses two processes on one GPU) "
+                  "and without a strategy. Predicted: the one-process estimate. Weight diff: the largest absolute "
+                  "difference of a trained weight from the run without a strategy, beside the largest change of a "
+                  "weight over the run (the update).", "",
+                  "| arm | step peak allocated GiB | step peak reserved GiB | predicted GiB | step seconds | "
+                  "max abs weight diff | max abs update |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+        for key, entry in fsdp2.items():
+            if "phases" not in entry:
+                lines.append(f"| {key} | {entry.get('skipped') or entry.get('error')} | | | | | |")
+                continue
+            phases = entry["phases"]
+            known = [r["predicted_gib"] for r in phases if r["predicted_gib"] is not None]
+            lines.append(
+                f"| {key} | {max((r['allocated_gib'] or 0) for r in phases):.3f} | "
+                f"{max((r['reserved_gib'] or 0) for r in phases):.3f} | {_f(max(known) if known else None, '.3f')} | "
+                f"{sum(r['seconds'] or 0 for r in phases):.3f} | {_f(entry.get('max_abs_weight_diff'), '.2e')} | "
+                f"{_f(entry.get('max_abs_update'), '.2e')} |"
+            )
     lines += ["", "## The OOM report", ""]
     for key, entry in results["oom"].items():
         report = entry.get("report") or {}
@@ -718,7 +819,7 @@ def main(argv: list[str] | None = None) -> dict:
     command = "python bench/device_check.py" + (" " + " ".join(argv if argv is not None else sys.argv[1:])).rstrip()
     results: dict[str, Any] = {"command": command.strip(), "quick": args.quick, "environment": environment(),
                                "parts": args.parts, "seconds": {}, "finished": False, "allocated_stat": "steady",
-                               **{part: {} for part in ("peaks", "decode", "tactics", "oom", "vs_trl")}}  # fmt: skip
+                               **{part: {} for part in ("peaks", "decode", "tactics", "oom", "vs_trl", "fsdp2")}}  # fmt: skip
 
     def save() -> None:
         out.parent.mkdir(parents=True, exist_ok=True)
