@@ -449,7 +449,11 @@ class FinalWeights(Callback):
         }  # fmt: skip
 
     def on_train_start(self, trainer, pl_module) -> None:
-        self.weights = self._read(pl_module)
+        self.weights, self.steps = self._read(pl_module), []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.steps.append({k: float(v) for k, v in trainer.callback_metrics.items()
+                           if v.numel() == 1 and any(w in k for w in ("loss", "reward", "nonfinite", "grad_norm"))})  # fmt: skip
 
     def on_train_end(self, trainer, pl_module) -> None:
         start, self.weights = self.weights, self._read(pl_module)
@@ -465,7 +469,9 @@ def part_fsdp2(args, cases, sizes, record) -> None:
     without a strategy: per-phase peaks, and the final weights' largest difference from that run."""
     import torch.distributed as dist
 
+    # every arm loads the same saved random weights: a strategy may build and initialise the model its own way
     case, reference = cases[0], {}
+    case = replace(case, model=str(_model_folder(case.model, Path(args.workdir) / "models")))
     try:
         for arm, options in FSDP2_ARMS.items():
             record("fsdp2", f"grpo / {case.name} / {arm}",
@@ -486,7 +492,7 @@ def _fsdp2_entry(arm: str, options: dict | None, case: Case, sizes: Sizes, args,
     summary = fit("grpo", case, sizes, Path(args.workdir) / "fsdp2" / arm.replace(" ", "_"), callbacks=[weights],
                   strategy=strategy, reward_funcs=["device_check.letter_share"], learning_rate=1e-4)  # fmt: skip
     entry = {"arm": arm, "phases": phase_rows(summary), "wall_s": summary["wall_s"], "shapes": summary["shapes"],
-             "max_abs_update": weights.update}  # fmt: skip
+             "max_abs_update": weights.update, "steps": weights.steps}  # fmt: skip
     if options is None:
         reference.update(weights.weights)
     elif reference:

@@ -47,6 +47,9 @@ class FSDP2Strategy(ModelParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
+        if cpu_offload and process_group_backend is None:
+            # offloaded gradients are host tensors: the step's gradient norm and clipping reduce them over gloo
+            process_group_backend = "cpu:gloo,cuda:nccl"
         super().__init__(
             data_parallel_size="auto",
             tensor_parallel_size=1,
