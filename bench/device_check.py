@@ -486,6 +486,10 @@ def _fsdp2_entry(arm: str, options: dict | None, case: Case, sizes: Sizes, args,
 
     if options and options.get("cpu_offload") and not torch.cuda.is_available():
         return {"skipped": "cpu_offload needs an accelerator (refused on a CPU run)"}
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # each arm's strategy sets up its own process group (cpu_offload adds gloo to NCCL)
+        dist.destroy_process_group()
     weights = FinalWeights()
     strategy = None if options is None else FSDP2Strategy(**options)
     L.seed_everything(0, verbose=False)  # the same random weights and samples in every arm
