@@ -187,7 +187,8 @@ class StepShapes(Callback):
             self.gaps.append(gap)
 
 
-def predict(method_name: str, case: Case, sizes: Sizes, arm: str | None, shape: tuple, device_type: str) -> dict:
+def predict(method_name: str, case: Case, sizes: Sizes, arm: str | None, shape: tuple, device_type: str,
+            sharding: dict | None = None) -> dict:  # fmt: skip
     """The estimator's per-phase steady-state peaks (bytes) for one step shape of a fit; runs in a worker process.
 
     The same call the MemoryProfiler makes for a measured step (``estimate_step`` with the run's precision, callbacks
@@ -197,7 +198,7 @@ def predict(method_name: str, case: Case, sizes: Sizes, arm: str | None, shape: 
     batch_size, prompt_length, padded, new_tokens = shape
     callbacks = ARMS[arm]() if arm else []
     settings = settings_from(_data(sizes), precision=case.precision, callbacks=callbacks, device_type=device_type)
-    settings.update(batch_size=batch_size, prompt_length=prompt_length, padded=padded)
+    settings.update(batch_size=batch_size, prompt_length=prompt_length, padded=padded, **(sharding or {}))
     if new_tokens is not None:
         settings["max_new_tokens"] = max(int(new_tokens), 1)  # every method here names its length max_new_tokens
     return dict(estimate_step(_method(method_name, case, sizes), **settings).phases)
@@ -217,9 +218,9 @@ class Predictions:
         self.pending: list[tuple[dict, list]] = []
 
     def submit(self, entry: dict, method_name: str, case: Case, sizes: Sizes, arm: str | None, shapes,
-               device_type: str | None = None) -> None:  # fmt: skip
+               device_type: str | None = None, sharding: dict | None = None) -> None:  # fmt: skip
         device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
-        futures = [self.pool.submit(predict, method_name, case, sizes, arm, shape, device_type)
+        futures = [self.pool.submit(predict, method_name, case, sizes, arm, shape, device_type, sharding)
                    for shape in sorted(set(shapes), key=str)]  # fmt: skip
         self.pending.append((entry, futures))
 
@@ -255,9 +256,14 @@ def predict_missing(results: dict, cases: tuple, sizes: Sizes, workers: int) -> 
     predictions, device_type = Predictions(workers), "cuda" if results["environment"]["memory_gib"] else "cpu"
     by_name = {case.name: case for case in cases}
     filled = []
-    for part in ("peaks", "tactics"):
-        for key, entry in results[part].items():
+    for part in ("peaks", "tactics", "fsdp2"):
+        for key, entry in results.get(part, {}).items():
             if "phases" not in entry or all(r["predicted_gib"] is not None for r in entry["phases"]):
+                continue
+            if part == "fsdp2":  # the run's saved folder has the config `shape:` builds (load_causal_lm's)
+                predictions.submit(entry, "grpo", cases[0], sizes, None, [tuple(s) for s in entry["shapes"]], device_type,
+                                   _sharding(FSDP2_ARMS[entry["arm"]]))  # fmt: skip
+                filled.append(key)
                 continue
             if part == "peaks":
                 method, case, arm = entry["method"], Case(**entry["case"]), None
@@ -463,6 +469,13 @@ class FinalWeights(Callback):
 FSDP2_ARMS = {"one device": None, "FSDP2": {}, "FSDP2 cpu_offload": {"cpu_offload": True}}
 
 
+def _sharding(options: dict | None) -> dict:
+    """The estimate's settings for an FSDP2 arm (:func:`lit_rl.memory.sharded.sharding_settings` of its strategy)."""
+    if options is None:
+        return {}
+    return {"shard_processes": 1, "rollout_gather": "auto", "shard_offload": bool(options.get("cpu_offload"))}
+
+
 def part_fsdp2(args, cases, sizes, record) -> None:
     """GRPO on the full fine-tuning case under :class:`~lit_rl.strategies.FSDP2Strategy` in one process (NCCL on a
     GPU: two processes cannot share one GPU under NCCL), with and without ``cpu_offload``, beside the same seeded run
@@ -503,8 +516,8 @@ def _fsdp2_entry(arm: str, options: dict | None, case: Case, sizes: Sizes, args,
         # by name where both runs name a weight (a tied head is named by the embedding in one, the head in the other)
         diffs = [(weights.weights[k] - w).abs().max().item() for k, w in reference.items() if k in weights.weights]
         entry["max_abs_weight_diff"], entry["weights_compared"] = max(diffs), f"{len(diffs)} of {len(reference)}"
-    if torch.cuda.is_available():
-        args.predictions.submit(entry, "grpo", case, sizes, None, summary["shapes"])  # the one-process estimate
+    # the one-process estimate, sharded as the run is
+    args.predictions.submit(entry, "grpo", case, sizes, None, summary["shapes"], sharding=_sharding(options))
     return entry
 
 
@@ -568,7 +581,7 @@ def _model_folder(model: str, root: Path) -> Path:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         tokenizer = load_tokenizer(model)
         with device:
-            lm = load_causal_lm(model, vocab_size=len(tokenizer))
+            lm = load_causal_lm(model, vocab_size=len(tokenizer))  # the vocabulary of a tiny: model alone
         lm.save_pretrained(folder)
         tokenizer.save_pretrained(folder)
         del lm
@@ -782,9 +795,10 @@ def render(results: dict) -> str:
     if fsdp2:
         lines += ["", "## FSDP2 in one process against no strategy", "",
                   "GRPO, the same seeded run under `FSDP2Strategy` (one process: NCCL refuses two processes on one GPU) "
-                  "and without a strategy. Predicted: the one-process estimate. Weight diff: the largest absolute "
-                  "difference of a trained weight from the run without a strategy, beside the largest change of a "
-                  "weight over the run (the update).", "",
+                  "and without a strategy, every arm from one saved random-weight folder. Predicted: the estimate of one process, sharded as the run is (with `cpu_offload`, the device's "
+                  "bytes: the shards, their gradients and the optimizer state are in host memory). Weight diff: the "
+                  "largest absolute difference of a trained weight from the run without a strategy, beside the largest "
+                  "change of a weight over the run (the update).", "",
                   "| arm | step peak allocated GiB | step peak reserved GiB | predicted GiB | step seconds | "
                   "max abs weight diff | max abs update |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
         for key, entry in fsdp2.items():

@@ -124,7 +124,7 @@ def plan(
     choices = [name for name in CHANGES_ARITHMETIC if name in allow]
     if "nf4" in choices and not module.uses_lora:
         choices.remove("nf4")  # needs LoRA: a full fine-tuning config cannot use it
-    if "adamw8bit" in choices and settings.get("shard_processes", 1) > 1:
+    if "adamw8bit" in choices and settings.get("rollout_gather") is not None:  # sharded (FSDP2)
         choices.remove("adamw8bit")  # bitsandbytes' 8-bit AdamW does not step sharded (FSDP2) weights
     if "bf16" in choices and settings.get("precision") == "bf16-true":
         choices.remove("bf16")  # the config is bf16 already: the combination would repeat the one without it

@@ -23,6 +23,8 @@ from typing_extensions import override
 
 from lit_rl.models.sharding import shard_models
 
+__all__ = ["FSDP2Strategy"]
+
 
 class FSDP2Strategy(ModelParallelStrategy):
     """FSDP2 over every process, for any lit-rl method (see the module docstring).

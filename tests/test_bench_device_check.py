@@ -63,6 +63,18 @@ def test_decode_tactics_and_oom_report_what_needs_cuda(run):
     assert "## The OOM report" in rendered and "## The sampler against the trainer" in rendered
 
 
+def test_fsdp2_in_one_process_trains_what_the_run_without_a_strategy_trains(run):
+    """On a CPU, gloo in one process: the same weights after the same steps, bitwise, and the update is not zero
+    (the comparison would prove nothing if nothing moved); cpu_offload is refused on a CPU run."""
+    results, _, rendered = run
+    fsdp2 = results["fsdp2"]
+    plain, sharded = fsdp2["grpo / tiny full FT fp32 / one device"], fsdp2["grpo / tiny full FT fp32 / FSDP2"]
+    assert plain["max_abs_update"] > 0 and sharded["max_abs_update"] == plain["max_abs_update"]
+    assert sharded["max_abs_weight_diff"] == 0.0
+    assert "accelerator" in fsdp2["grpo / tiny full FT fp32 / FSDP2 cpu_offload"]["skipped"]
+    assert "## FSDP2 in one process against no strategy" in rendered
+
+
 def test_worker_predictions_are_the_profilers_own(tmp_path):
     """The check predicts beside the GPU, in worker processes; what it computes must be what the profiler computes
     for the same step inside the training loop."""

@@ -108,6 +108,34 @@ def test_module_and_optimizer_categories_are_exact():
     t.close()
 
 
+def test_uncounted_categories_are_filed_but_left_out_of_current_and_peak():
+    """What lives in host memory while a device is counted (FSDP2's cpu_offload): the same run, counted twice."""
+
+    def run(uncounted: tuple[str, ...]) -> tuple:
+        torch.manual_seed(0)
+        model = tiny_model(num_layers=2)
+        opt = torch.optim.AdamW(model.parameters())
+        t = TensorMemoryTracker(uncounted=uncounted).track(model).track(opt)
+        with t:
+            model(torch.randint(0, 128, (2, 16))).logits.float().logsumexp(-1).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        t.close()
+        return t, model, opt  # the model and optimizer stay alive: their storages stay counted
+
+    host = ("parameters", "gradients", "optimizer_state")
+    runs = run(()), run(host)  # each tracker with its model and optimizer, alive to the end of the test
+    everything, device = runs[0][0], runs[1][0]
+    assert device.by_category() == everything.by_category()  # filed the same
+    stays = sum(v for k, v in everything.by_category().items() if k not in host)
+    assert device.current_bytes == stays < everything.current_bytes
+    assert 0 < device.peak_bytes < everything.peak_bytes
+    counted_at_peak = sum(v for k, v in device.peak_by_category().items() if k not in host)
+    assert device.peak_bytes == counted_at_peak  # the peak is the counted categories' moment, not the total's
+    with pytest.raises(ValueError):
+        TensorMemoryTracker(uncounted=("weights",))
+
+
 def test_frozen_lora_base_weights_do_not_crash():
     peft = pytest.importorskip("peft")
     model = peft.get_peft_model(tiny_model(), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))

@@ -61,13 +61,21 @@ def test_the_estimate_reads_the_sharding_from_the_trainer_config():
     assert sharding_settings({"strategy": fsdp2, "devices": 4, "num_nodes": 2}) == {
         "shard_processes": 8,
         "rollout_gather": "layers",
+        "shard_offload": False,
+    }
+    offloaded = {"class_path": "lit_rl.strategies.FSDP2Strategy", "init_args": {"cpu_offload": True}}
+    assert sharding_settings({"strategy": offloaded, "devices": 1}) == {
+        "shard_processes": 1,
+        "rollout_gather": "auto",
+        "shard_offload": True,
     }
     assert sharding_settings({"strategy": "ddp", "devices": 4}) == {"shard_processes": 1}
     with pytest.raises(ValueError, match="trainer.devices: 'auto'"):
         sharding_settings({"strategy": fsdp2, "devices": "auto"})
 
 
-def test_auto_gathers_the_whole_policy_when_it_fits_and_says_so(mesh, caplog):
+def test_auto_gathers_the_whole_policy_when_it_fits_and_says_so(mesh, caplog, monkeypatch):
+    monkeypatch.setattr("lit_rl.models.notices._said", set())  # said once per process: perhaps by an earlier test
     model = tiny_model("llama", num_layers=2)
     shard_model(model, mesh)  # rollout_gather: auto; a few KiB against the free host memory
     with caplog.at_level("INFO"), gathered(model):
@@ -88,3 +96,38 @@ def test_a_step_that_does_not_fit_one_device_gets_the_devices_it_would_fit_shard
     fits, report = fit_report(module, one, budget, settings)
     assert not fits
     assert "  - sharded over 2 devices (FSDP2): peak" in report and "per device, fits; add --trainer.strategy" in report
+
+
+def test_one_process_under_fsdp2_is_estimated_sharded_and_cpu_offload_counts_the_device_alone():
+    """FSDP2Strategy on one device still gathers into buffers of its own (the H100 run: the rollout 1.84 GiB above
+    the run without a strategy, bench/results/gpu_part6.md), so the estimate shards over one process; with
+    ``cpu_offload`` the shards, their gradients and the optimizer state leave the count."""
+    from lit_rl.cli import parse_fit_config
+    from lit_rl.memory import estimate_step
+
+    module, _, _ = parse_fit_config(["--config", str(Path(__file__).resolve().parents[1] / "configs/grpo_tiny.yaml")])
+    settings = dict(batch_size=2, prompt_length=16)
+    plain = estimate_step(module, **settings)
+    one = estimate_step(module, rollout_gather="whole", **settings)
+    offloaded = estimate_step(module, rollout_gather="whole", shard_offload=True, **settings)
+    weights = plain.breakdown["rollout"]["parameters"]
+    # the whole policy gathered for the rollout beside its one shard: one more copy of the policy's weights
+    assert one.phases["rollout"] - plain.phases["rollout"] >= weights // 2
+    for phase, peak in offloaded.phases.items():
+        host = sum(offloaded.breakdown[phase].get(k, 0) for k in ("parameters", "gradients", "optimizer_state"))
+        assert host > 0 and peak < one.phases[phase], phase
+        assert peak <= sum(offloaded.breakdown[phase].values()) - host, phase  # what the device holds at the peak
+    assert offloaded.settings["shard_offload"] and one.settings["rollout_gather"] == "whole"
+    with pytest.raises(ValueError, match="shard_offload"):
+        estimate_step(module, shard_offload=True, **settings)
+
+
+def test_host_offload_is_a_tactic_on_an_accelerator_only():
+    from lit_rl.cli import parse_fit_config
+    from lit_rl.memory import estimate_step
+    from lit_rl.memory.fit import _tactics
+
+    module, _, _ = parse_fit_config(["--config", str(Path(__file__).resolve().parents[1] / "configs/grpo_tiny.yaml")])
+    cuda = estimate_step(module, batch_size=2, prompt_length=16, device_type="cuda")
+    assert _tactics(cuda)["host_offload"] == {"rollout_gather": "auto", "shard_offload": True}
+    assert "host_offload" not in _tactics(estimate_step(module, batch_size=2, prompt_length=16))  # host memory already

@@ -96,7 +96,8 @@ def estimate_step(
     full_decode: bool = False,
     offload_activations: int | None = None,
     shard_processes: int = 1,
-    rollout_gather: str = "auto",
+    rollout_gather: str | None = None,
+    shard_offload: bool = False,
     **overrides: Any,
 ) -> Estimate:
     """Predict the per-phase peak memory of one training step of ``module``, without loading weights.
@@ -124,7 +125,11 @@ def estimate_step(
             (:class:`~lit_rl.callbacks.ActivationOffloading`'s ``min_bytes``): only what stays is counted; ``None``: off.
         shard_processes: above 1, the models are sharded over that many processes (FSDP2) and the estimate is one
             process's (:mod:`lit_rl.memory.sharded`).
-        rollout_gather: with ``shard_processes``, the strategy's ``rollout_gather`` (``auto`` is predicted as ``whole``).
+        rollout_gather: the strategy's ``rollout_gather`` under FSDP2 (``auto`` is predicted as ``whole``); given, the
+            models are sharded even over one process (FSDP2Strategy on one device); ``None`` with
+            ``shard_processes`` above 1 is ``auto``.
+        shard_offload: FSDP2's ``cpu_offload``: the sharded weights, their gradients and the optimizer state live in
+            host memory, and the peaks are the device's (what is gathered, activations, temporaries).
         **overrides: hyper-parameters to change (``micro_batch_size=4``, ``lora=LoraSettings()``, ...).
 
     Returns:
@@ -154,7 +159,11 @@ def estimate_step(
     if cast_dtype is not None:  # Lightning's true-half precision converts the whole module after configure_model
         method.to(cast_dtype)
     record = GenerateRecord()
-    processes = fake_processes(shard_processes) if shard_processes > 1 else contextlib.nullcontext()
+    sharded = shard_processes > 1 or rollout_gather is not None
+    if shard_offload and not sharded:
+        raise ValueError("shard_offload: the estimate offloads sharded weights; give rollout_gather (FSDP2)")
+    rollout_gather = (rollout_gather or "auto") if sharded else None
+    processes = fake_processes(shard_processes) if sharded else contextlib.nullcontext()
     with processes as mesh, fake_mode(), patches(padded):  # the mesh of real tensors, made before fake mode
         method.to_empty(device="cpu")
         _tie_all(method)
@@ -180,7 +189,8 @@ def estimate_step(
         method.policy.generate = fake_generate(
             method.policy, record, padded=padded, full_decode=full_decode, own_decode=method.own_decode
         )
-        run = _run_step(method, optimizer, batch_size, prompt_length, cast_dtype, autocast_dtype)
+        host = ("parameters", "gradients", "optimizer_state") if shard_offload else ()
+        run = _run_step(method, optimizer, batch_size, prompt_length, cast_dtype, autocast_dtype, host)
     shape = rollout_shape(method)  # what the method says it generates, whatever its options are called
     generations = shape.completions_per_prompt
     batch = batch_size * generations
@@ -202,7 +212,8 @@ def estimate_step(
         activation_checkpointing=activation_checkpointing,
         offload_activations=offload_activations,
         shard_processes=shard_processes,
-        rollout_gather=rollout_gather if shard_processes > 1 else None,
+        rollout_gather=rollout_gather,
+        shard_offload=shard_offload,
         optimizer=run.optimizer_name,
         padded=padded,
         config=config,
@@ -381,9 +392,16 @@ class _Listener:
 
 
 def _run_step(
-    method, optimizer, batch_size: int, prompt_length: int, cast_dtype: torch.dtype | None, autocast: torch.dtype | None
+    method,
+    optimizer,
+    batch_size: int,
+    prompt_length: int,
+    cast_dtype: torch.dtype | None,
+    autocast: torch.dtype | None,
+    host: tuple[str, ...] = (),
 ) -> _Run:
-    """The method's own training step on a fake prompt batch, with the optimizer state already there."""
+    """The method's own training step on a fake prompt batch, with the optimizer state already there; the tracker's
+    categories in ``host`` live in host memory and are not counted."""
     run = _Run()
     params = [p for group in optimizer.param_groups for p in group["params"]]
     for param in params:  # the steady state of step 2 onwards: one step on zero gradients creates the state
@@ -404,7 +422,7 @@ def _run_step(
         "answers": [""] * batch_size,
         "index": list(range(batch_size)),
     }
-    tracker = TensorMemoryTracker()
+    tracker = TensorMemoryTracker(uncounted=host)
     listener = _Listener(tracker)
     hook = optimizer.register_step_post_hook(lambda *_: setattr(listener, "stepped", True))
     method.phases.add_listener(listener)

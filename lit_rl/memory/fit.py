@@ -19,7 +19,8 @@ def estimate_savings(module, baseline: Estimate | None = None, **settings: Any) 
     Each tactic of :data:`~lit_rl.memory.tactics.TACTICS` that the estimator can predict is estimated by
     re-running :func:`estimate_step` with it applied: ``activation_checkpointing`` (every layer),
     ``micro_batch`` (half the current micro-batch), ``adamw8bit`` (bitsandbytes' 8-bit AdamW), ``lora`` (r=16 on all linear layers; also drops the
-    frozen reference copy) and ``bf16`` (``bf16-true``).
+    frozen reference copy), ``bf16`` (``bf16-true``), ``rollout_layers`` (sharded runs) and, on an accelerator,
+    ``host_offload`` (FSDP2's ``cpu_offload``).
 
     Args:
         module: as for :func:`estimate_step`.
@@ -120,14 +121,16 @@ def _tactics(baseline: Estimate) -> dict[str, dict[str, Any]]:
         changes["activation_checkpointing"] = {"activation_checkpointing": 1}
     if s["micro_batch_size"] > 1:
         changes["micro_batch"] = {"micro_batch_size": max(1, s["micro_batch_size"] // 2)}
-    if s["optimizer"] == "AdamW" and s.get("shard_processes", 1) == 1:  # bitsandbytes' does not step sharded weights
+    if s["optimizer"] == "AdamW" and s.get("rollout_gather") is None:  # bitsandbytes' does not step sharded weights
         changes["adamw8bit"] = {"optimizer": {"class_path": "bitsandbytes.optim.AdamW8bit", "init_args": {}}}
     if not s["lora"]:
         changes["lora"] = {"lora": LoraSettings()}
-    if s.get("shard_processes", 1) > 1 and s.get("rollout_gather") != "layers":
+    if s.get("rollout_gather") not in (None, "layers"):  # sharded (FSDP2), gathering the whole policy
         changes["rollout_layers"] = {"rollout_gather": "layers"}
     if s["precision"] in ("32-true", "32"):
         changes["bf16"] = {"precision": "bf16-true"}
+    if s["device_type"] == "cuda" and not s.get("shard_offload"):  # a CPU run's memory is host memory already
+        changes["host_offload"] = {"rollout_gather": s.get("rollout_gather") or "auto", "shard_offload": True}
     assert set(changes) <= {name for name, t in TACTICS.items() if t.estimated}
     return changes
 

@@ -68,13 +68,19 @@ class Estimate:
             f"{'built (padded prompts)' if s['padded'] else 'skipped (no padding)'}",
             "",
         ]
-        if s.get("shard_processes", 1) > 1:
+        if s.get("rollout_gather") is not None:  # sharded (FSDP2)
             layers = s.get("rollout_gather") == "layers"
             gather = "layer by layer" if layers else "the whole policy (rollout_gather auto, when it fits, or whole)"
             lines[-1:-1] = [
                 f"sharded over {s['shard_processes']} processes (FSDP2): the phase peaks are one process's (its share "
                 "of the weights, gradients and optimizer state, and the weights it gathers); the components are the "
                 f"whole model's; the rollout gathers {gather}"
+                + (
+                    "; cpu_offload: the peaks are the device's, the shards, their gradients and the optimizer state "
+                    "stay in host memory"
+                    if s.get("shard_offload")
+                    else ""
+                )
             ]
         width = max(len(c.name) for c in self.components)
         shape_w = max(len(c.shape) for c in self.components)

@@ -22,8 +22,9 @@ STRATEGY = "lit_rl.strategies.FSDP2Strategy"
 
 
 def sharding_settings(trainer_config: dict) -> dict:
-    """:func:`~lit_rl.memory.estimate_step`'s ``shard_processes`` (devices x nodes under FSDP2Strategy, else 1) and
-    ``rollout_gather`` for a run of ``trainer_config`` (a Trainer's settings, its strategy an instance or a path)."""
+    """:func:`~lit_rl.memory.estimate_step`'s ``shard_processes`` (devices x nodes under FSDP2Strategy, else 1),
+    ``rollout_gather`` and ``shard_offload`` (the strategy's ``cpu_offload``) for a run of ``trainer_config`` (a
+    Trainer's settings, its strategy an instance or a path)."""
     strategy = trainer_config.get("strategy")
     path = strategy.get("class_path") if isinstance(strategy, dict) else strategy
     name = path if isinstance(path, str) else f"{type(path).__module__}.{type(path).__name__}"
@@ -31,8 +32,10 @@ def sharding_settings(trainer_config: dict) -> dict:
         return {"shard_processes": 1}
     if isinstance(strategy, dict):
         gather = (strategy.get("init_args") or {}).get("rollout_gather", "auto")
+        offload = bool((strategy.get("init_args") or {}).get("cpu_offload", False))
     else:
         gather = getattr(strategy, "rollout_gather", "auto")
+        offload = bool(getattr(strategy, "cpu_offload", False))
     devices = trainer_config.get("devices", 1)
     if isinstance(devices, (list, tuple)):
         devices = len(devices)
@@ -41,7 +44,8 @@ def sharding_settings(trainer_config: dict) -> dict:
             f"trainer.devices: {devices!r}; the estimate of a sharded run needs a number: set it to the devices per "
             "machine (and trainer.num_nodes to the machines)"
         )
-    return {"shard_processes": int(devices) * int(trainer_config.get("num_nodes", 1) or 1), "rollout_gather": gather}
+    processes = int(devices) * int(trainer_config.get("num_nodes", 1) or 1)
+    return {"shard_processes": processes, "rollout_gather": gather, "shard_offload": offload}
 
 
 @contextlib.contextmanager

@@ -65,6 +65,14 @@ TACTICS: dict[str, Tactic] = {
             "--trainer.strategy.init_args.rollout_gather layers",
         ),
         Tactic(
+            "host_offload",
+            "on an accelerator, keep the weights, gradients and AdamW state in host memory (FSDP2's cpu_offload, on "
+            "one device or more): the device holds the layers in use, activations and the gathered embedding and "
+            "head; every pass copies the layers in and AdamW steps on the CPU, so the step is slower "
+            "(bench/results/gpu_part6.md measures both)",
+            "--trainer.strategy lit_rl.strategies.FSDP2Strategy --trainer.strategy.init_args.cpu_offload true",
+        ),
+        Tactic(
             "empty_cache",
             "return the allocator's cached memory at phase ends: CUDA's reserved-but-unused blocks (helps when the "
             "error reports much memory 'reserved but unallocated'; costs a sync and re-allocation stalls), or on CPU "

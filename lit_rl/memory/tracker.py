@@ -79,6 +79,9 @@ class TensorMemoryTracker(TorchDispatchMode):
         device_type: count only tensors on this device type (``"cpu"``, ``"cuda"``); ``None`` counts
             every device except ``meta``.
         default_category: where storages allocated by operators are filed.
+        uncounted: categories kept in :meth:`by_category` but left out of ``current_bytes`` and the peak: what
+            lives in host memory while the device is counted (FSDP2's ``cpu_offload`` keeps the sharded
+            parameters, their gradients and the optimizer state there).
 
     Example::
 
@@ -90,9 +93,13 @@ class TensorMemoryTracker(TorchDispatchMode):
         t.close()  # removes the gradient and optimizer hooks that track() installed
     """
 
-    def __init__(self, device_type: str | None = None, default_category: str = "activations") -> None:
+    def __init__(
+        self, device_type: str | None = None, default_category: str = "activations", uncounted: tuple[str, ...] = ()
+    ) -> None:
         super().__init__()
-        _check_category(default_category)
+        for name in (default_category, *uncounted):
+            _check_category(name)
+        self.uncounted = frozenset(uncounted)
         self.device_type = device_type
         self.default_category = default_category
         self._lock = threading.RLock()
@@ -210,7 +217,9 @@ class TensorMemoryTracker(TorchDispatchMode):
                 elif entry.category != category:
                     self._by_category[entry.category] -= entry.nbytes
                     self._by_category[category] += entry.nbytes
+                    self._current += entry.nbytes * (self._counted(category) - self._counted(entry.category))
                     entry.category = category
+                    self._bump_peak()
 
     def __enter__(self):
         _watch_storage_resizes(self)
@@ -240,19 +249,22 @@ class TensorMemoryTracker(TorchDispatchMode):
             return t.device.type == self.device_type
         return t.device.type != "meta"
 
+    def _counted(self, category: str) -> int:
+        return int(category not in self.uncounted)
+
     def _add(self, st: torch.UntypedStorage, category: str) -> None:
         key = id(st)
         nbytes = st.nbytes()
         self._live[key] = _Entry(nbytes, category, weakref.ref(st, partial(_on_free, weakref.ref(self), key)))
         self._by_category[category] += nbytes
-        self._current += nbytes
+        self._current += nbytes * self._counted(category)
         self._bump_peak()
 
     def _resize(self, entry: _Entry, nbytes: int) -> None:
         delta = nbytes - entry.nbytes
         entry.nbytes = nbytes
         self._by_category[entry.category] += delta
-        self._current += delta
+        self._current += delta * self._counted(entry.category)
         self._bump_peak()
 
     def _remove(self, key: int) -> None:
@@ -260,7 +272,7 @@ class TensorMemoryTracker(TorchDispatchMode):
             entry = self._live.pop(key, None)
             if entry is not None:
                 self._by_category[entry.category] -= entry.nbytes
-                self._current -= entry.nbytes
+                self._current -= entry.nbytes * self._counted(entry.category)
 
     def _bump_peak(self) -> None:
         if self._current > self._peak:
