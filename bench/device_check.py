@@ -813,6 +813,14 @@ def render(results: dict) -> str:
                 f"{sum(r['seconds'] or 0 for r in phases):.3f} | {_f(entry.get('max_abs_weight_diff'), '.2e')} | "
                 f"{_f(entry.get('max_abs_update'), '.2e')} |"
             )
+        lines += ["", "Per phase: allocated (the steady state) against the estimate.", "",
+                  "| arm | phase | allocated GiB | predicted GiB | error |", "| --- | --- | ---: | ---: | ---: |"]  # fmt: skip
+        for key, entry in fsdp2.items():
+            for row in entry.get("phases", []):
+                lines.append(
+                    f"| {key} | {row['phase']} | {_f(row['allocated_gib'], '.3f')} | {_f(row['predicted_gib'], '.3f')} "
+                    f"| {_f(row['error_pct'], '+.1f')}% |"
+                )
     lines += ["", "## The OOM report", ""]
     for key, entry in results["oom"].items():
         report = entry.get("report") or {}
