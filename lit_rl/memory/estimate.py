@@ -72,7 +72,7 @@ from lit_rl.memory.phases import BACKWARD, SCRATCH_PHASES
 from lit_rl.memory.report import Component, Estimate
 from lit_rl.memory.rollout import rollout_shape
 from lit_rl.memory.shapes import BUILTIN_SHAPES, config_resolver, model_config_for
-from lit_rl.memory.sharded import fake_processes, reshard_before_steps, sharding_settings
+from lit_rl.memory.sharded import fake_processes, offloaded_gathers, reshard_before_steps, sharding_settings
 from lit_rl.memory.tracker import TensorMemoryTracker
 from lit_rl.memory.units import GIB, MIB, format_bytes, parse_bytes
 from lit_rl.models import base_model, build_on_meta, checkpointing_refused, enable_activation_checkpointing
@@ -164,7 +164,8 @@ def estimate_step(
         raise ValueError("shard_offload: the estimate offloads sharded weights; give rollout_gather (FSDP2)")
     rollout_gather = (rollout_gather or "auto") if sharded else None
     processes = fake_processes(shard_processes) if sharded else contextlib.nullcontext()
-    with processes as mesh, fake_mode(), patches(padded):  # the mesh of real tensors, made before fake mode
+    # the mesh of real tensors, made before fake mode
+    with processes as mesh, fake_mode(), patches(padded), offloaded_gathers(shard_offload):
         method.to_empty(device="cpu")
         _tie_all(method)
         roots = shard_models(method, mesh, rollout_gather=rollout_gather)[0] if mesh is not None else []

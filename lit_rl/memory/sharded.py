@@ -76,3 +76,27 @@ def reshard_before_steps(optimizer: torch.optim.Optimizer, roots: list[torch.nn.
             root.reshard()
 
     optimizer.register_step_pre_hook(reshard)
+
+
+@contextlib.contextmanager
+def offloaded_gathers(enabled: bool) -> Iterator[None]:
+    """With FSDP2's ``cpu_offload``, each gather first copies the unit's shards from host memory to the device
+    (``FSDPParam.all_gather_inputs``), so a unit's shards are on the device twice for a moment: the copies and the
+    gathered weights. The estimate's shards are not offloaded, so the copy is made here, a clone the tracker counts
+    until the gather is done with it."""
+    if not enabled:
+        yield
+        return
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam, ShardedState
+
+    plain = FSDPParam.all_gather_inputs
+
+    def copied(self) -> list[torch.Tensor]:
+        inputs = plain.fget(self)
+        return [t.clone() for t in inputs] if self.sharded_state == ShardedState.SHARDED else inputs
+
+    FSDPParam.all_gather_inputs = property(copied)
+    try:
+        yield
+    finally:
+        FSDPParam.all_gather_inputs = plain
