@@ -74,7 +74,7 @@ def test_readme_opens_with_the_two_set_up_commands():
     )
     # the whole suite: pytest with its options (two xdist workers), never a marker filter or a path
     runner = tests.rsplit(" && ", 1)[-1]
-    assert re.fullmatch(r"python -m pytest -q( -n \d+)?( --dist \w+)?", runner), (
+    assert re.fullmatch(r"python -m pytest -q( -n \d+)?( --dist \w+)?( --durations=\d+)?", runner), (
         f"the README's second command does not run the whole test suite: {tests!r}"
     )
 
