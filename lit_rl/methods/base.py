@@ -135,7 +135,7 @@ class RLMethod(HeldOutEvaluation, TextAndRewards, StandaloneStep, L.LightningMod
         weight_decay: AdamW weight decay.
         max_grad_norm: gradient clipping by global norm; 0 disables it.
         micro_batch_size: sequences per forward/backward in the update; ``null`` does the whole batch at
-            once. Smaller means a lower activation peak, at more passes per step.
+            once. Smaller: a lower activation peak, more passes, gradients held through later forwards (docs/memory.md).
         micro_batch_tokens: a token budget per micro-batch beside ``micro_batch_size`` (rows x the longest row,
             padding included; at least ``data.max_prompt_length + max_new_tokens``): :mod:`lit_rl.methods.token_budget`.
         max_nonfinite_steps: stop the run after this many non-finite losses or gradients in a row (each skips
