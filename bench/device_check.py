@@ -261,7 +261,8 @@ def predict_missing(results: dict, cases: tuple, sizes: Sizes, workers: int) -> 
             if "phases" not in entry or all(r["predicted_gib"] is not None for r in entry["phases"]):
                 continue
             if part == "fsdp2":  # the run's saved folder has the config `shape:` builds (load_causal_lm's)
-                predictions.submit(entry, "grpo", cases[0], sizes, None, [tuple(s) for s in entry["shapes"]], device_type,
+                shapes = [tuple(s) for s in entry["shapes"]]
+                predictions.submit(entry, "grpo", cases[0], sizes, None, shapes, device_type,
                                    _sharding(FSDP2_ARMS[entry["arm"]]))  # fmt: skip
                 filled.append(key)
                 continue
@@ -446,6 +447,7 @@ class FinalWeights(Callback):
     def __init__(self) -> None:
         self.weights: dict[str, torch.Tensor] = {}
         self.update = 0.0  # the largest change of a weight over the fit: what a difference between runs compares to
+        self.steps: list[dict[str, float]] = []  # each step's loss, reward and non-finite metrics
 
     @staticmethod
     def _read(pl_module) -> dict[str, torch.Tensor]:
@@ -485,6 +487,7 @@ def part_fsdp2(args, cases, sizes, record) -> None:
     # every arm loads the same saved random weights: a strategy may build and initialise the model its own way
     case, reference = cases[0], {}
     case = replace(case, model=str(_model_folder(case.model, Path(args.workdir) / "models")))
+    environment = dict(os.environ)  # Lightning sets MASTER_PORT and friends, which child processes would inherit
     try:
         for arm, options in FSDP2_ARMS.items():
             record("fsdp2", f"grpo / {case.name} / {arm}",
@@ -492,6 +495,8 @@ def part_fsdp2(args, cases, sizes, record) -> None:
     finally:
         if dist.is_initialized():  # the next fit, or a test in this process, must not find a process group
             dist.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(environment)
 
 
 def _fsdp2_entry(arm: str, options: dict | None, case: Case, sizes: Sizes, args, reference: dict) -> dict:
@@ -581,7 +586,7 @@ def _model_folder(model: str, root: Path) -> Path:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         tokenizer = load_tokenizer(model)
         with device:
-            lm = load_causal_lm(model, vocab_size=len(tokenizer))  # the vocabulary of a tiny: model alone
+            lm = load_causal_lm(model, vocab_size=len(tokenizer))  # vocab_size is read by tiny: models only
         lm.save_pretrained(folder)
         tokenizer.save_pretrained(folder)
         del lm
@@ -795,7 +800,8 @@ def render(results: dict) -> str:
     if fsdp2:
         lines += ["", "## FSDP2 in one process against no strategy", "",
                   "GRPO, the same seeded run under `FSDP2Strategy` (one process: NCCL refuses two processes on one GPU) "
-                  "and without a strategy, every arm from one saved random-weight folder. Predicted: the estimate of one process, sharded as the run is (with `cpu_offload`, the device's "
+                  "and without a strategy, every arm from one saved random-weight folder. Predicted: the estimate of "
+                  "one process, sharded as the run is (with `cpu_offload`, the device's "
                   "bytes: the shards, their gradients and the optimizer state are in host memory). Weight diff: the "
                   "largest absolute difference of a trained weight from the run without a strategy, beside the largest "
                   "change of a weight over the run (the update).", "",

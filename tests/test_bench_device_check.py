@@ -8,6 +8,7 @@ tensor accounting and the estimator count the same tensors, so the predicted pea
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from bench_loader import load_bench
@@ -15,12 +16,17 @@ from bench_loader import load_bench
 pytestmark = [pytest.mark.bench, pytest.mark.slow]
 
 
+LEAKED: dict[str, str] = {}  # environment variables the run left behind
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("device_check") / "gpu.md"
+    before = dict(os.environ)
     with load_bench("device_check.py") as module:
         results = module.main(["--quick", "--out", str(out), "--workdir", str(out.parent / "runs")])
         rendered = module.render(json.loads(out.with_suffix(".json").read_text()))
+    LEAKED.update({k: v for k, v in os.environ.items() if before.get(k) != v})
     return results, out, rendered
 
 
@@ -73,6 +79,9 @@ def test_fsdp2_in_one_process_trains_what_the_run_without_a_strategy_trains(run)
     assert sharded["max_abs_weight_diff"] == 0.0
     assert "accelerator" in fsdp2["grpo / tiny full FT fp32 / FSDP2 cpu_offload"]["skipped"]
     assert "## FSDP2 in one process against no strategy" in rendered
+    # Lightning's process group set MASTER_PORT in this process: a later child inheriting it bound a taken port
+    distributed = {"MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK"}
+    assert not distributed & set(LEAKED), LEAKED
 
 
 def test_worker_predictions_are_the_profilers_own(tmp_path):

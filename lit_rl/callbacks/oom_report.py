@@ -163,6 +163,7 @@ class OOMReport(Callback):
             "lora": policy is not None and hasattr(policy, "peft_config"),
             "adamw8bit": "8bit" in str((getattr(pl_module, "hparams", {}) or {}).get("optimizer") or ""),
             "empty_cache": any(isinstance(c, EmptyCache) for c in trainer.callbacks),
+            "host_offload": bool(getattr(trainer.strategy, "cpu_offload", False)),
         }
         micro = {k: v for k, v in dict(getattr(pl_module, "hparams", {}) or {}).items() if "micro_batch" in k}
         tactics = []
@@ -170,6 +171,8 @@ class OOMReport(Callback):
         for name, tactic in TACTICS.items():
             if name == "rollout_layers" and not sharded:
                 continue  # a setting of sharded runs only
+            if name == "host_offload" and trainer.strategy.root_device.type == "cpu":
+                continue  # a CPU run's memory is host memory already
             what, how = tactic.what, tactic.how.replace(" {value}", "")
             if name == "micro_batch" and micro:
                 how = ", ".join(f"lower {k} (now {v})" for k, v in micro.items())
