@@ -659,6 +659,16 @@ def _f(value: Any, fmt: str = ".2f") -> str:
     return "—" if value is None else format(value, fmt)
 
 
+def _step_cells(phases: list[dict]) -> str:
+    """A fit's step as table cells: peak allocated and reserved GiB over its phases, the largest prediction, and the
+    summed phase seconds."""
+    known = [r["predicted_gib"] for r in phases if r["predicted_gib"] is not None]
+    return (
+        f"{max((r['allocated_gib'] or 0) for r in phases):.3f} | {max((r['reserved_gib'] or 0) for r in phases):.3f} | "
+        f"{_f(max(known) if known else None, '.3f')} | {sum(r['seconds'] or 0 for r in phases):.3f}"
+    )
+
+
 def render(results: dict) -> str:
     env = results["environment"]
     lines = [
@@ -768,14 +778,7 @@ def render(results: dict) -> str:
         if "phases" not in entry:
             lines.append(f"| {key} | {entry.get('skipped') or entry.get('error')} | | | |")
             continue
-        phases = entry["phases"]
-        peak = max((r["allocated_gib"] or 0) for r in phases)
-        reserved = max((r["reserved_gib"] or 0) for r in phases)
-        known = [r["predicted_gib"] for r in phases if r["predicted_gib"] is not None]
-        seconds = sum(r["seconds"] or 0 for r in phases)
-        lines.append(
-            f"| {key} | {peak:.3f} | {reserved:.3f} | {_f(max(known) if known else None, '.3f')} | {seconds:.3f} |"
-        )
+        lines.append(f"| {key} | {_step_cells(entry['phases'])} |")
     trl = results.get("vs_trl", {})
     if trl:
         lines += ["", "## lit-rl against TRL's GRPOTrainer, equal work", "",
@@ -811,12 +814,8 @@ def render(results: dict) -> str:
             if "phases" not in entry:
                 lines.append(f"| {key} | {entry.get('skipped') or entry.get('error')} | | | | | |")
                 continue
-            phases = entry["phases"]
-            known = [r["predicted_gib"] for r in phases if r["predicted_gib"] is not None]
             lines.append(
-                f"| {key} | {max((r['allocated_gib'] or 0) for r in phases):.3f} | "
-                f"{max((r['reserved_gib'] or 0) for r in phases):.3f} | {_f(max(known) if known else None, '.3f')} | "
-                f"{sum(r['seconds'] or 0 for r in phases):.3f} | {_f(entry.get('max_abs_weight_diff'), '.2e')} | "
+                f"| {key} | {_step_cells(entry['phases'])} | {_f(entry.get('max_abs_weight_diff'), '.2e')} | "
                 f"{_f(entry.get('max_abs_update'), '.2e')} |"
             )
         lines += ["", "Per phase: allocated (the steady state) against the estimate.", "",
