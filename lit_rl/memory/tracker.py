@@ -39,6 +39,9 @@ CATEGORIES: tuple[str, ...] = ("parameters", "gradients", "optimizer_state", "ac
 
 # factory ops whose input is the freshly created tensor of ``torch.tensor(...)``: count their output
 _LIFT_OPS = {torch.ops.aten.lift_fresh.default}
+# operators that only read a tensor's metadata (a fake tensor answers ``.device`` through the dispatch modes)
+_METADATA_OPS = {torch.ops.prim.device.default}
+_SCALARS = (int, float, bool, str, torch.Size, torch.dtype, torch.device, torch.layout, torch.memory_format)
 
 
 class _Entry:
@@ -62,7 +65,22 @@ def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
-    return [x for x in tree_leaves(obj) if isinstance(x, torch.Tensor)]
+    """The tensors in ``obj``: an operator's arguments and results are tensors in tuples, lists and dicts, walked
+    here directly (pytree's walk of every operator's arguments cost an eighth of an estimate); other containers by pytree."""
+    found, stack = [], [obj]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, torch.Tensor):
+            found.append(x)
+        elif type(x) in (tuple, list):
+            stack.extend(reversed(x))  # in order, as pytree lists them
+        elif type(x) is dict:
+            stack.extend(reversed(x.values()))
+        elif x is not None and not isinstance(x, _SCALARS):
+            leaves = tree_leaves(x)  # a registered container (a namedtuple, a dataclass) or a leaf: [x]
+            if len(leaves) != 1 or leaves[0] is not x:
+                stack.extend(reversed(leaves))
+    return found
 
 
 class TensorMemoryTracker(TorchDispatchMode):
@@ -281,6 +299,8 @@ class TensorMemoryTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in _METADATA_OPS:  # allocate nothing; more than half of a fake step's operators (autograd asks)
+            return func(*args, **kwargs)
         # storages the op received cannot be new allocations (views, in-place and out= results)
         inputs = {} if func in _LIFT_OPS else {id(st): st for t in _tensors((args, kwargs)) for st in _storages(t)}
         out = func(*args, **kwargs)
