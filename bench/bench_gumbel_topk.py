@@ -324,6 +324,31 @@ def summary_table(cases: list[Case]) -> list[str]:
     return lines
 
 
+def reading(cases: list[Case]) -> str:
+    """The summary table in one sentence: the range of each step-peak ratio over the measured configs, and the share
+    of the top-k step peaks that is weights, gradients and optimizer state (what top-k does not touch)."""
+    by = index(cases)
+    ratios: dict[str, list[float]] = {"top-k": [], "top-k + ckpt": []}
+    weights = []
+    for c in cases:
+        legacy = by.get((c.vocab, c.tokens, "legacy"))
+        if c.path in ratios and not c.skipped and legacy is not None and not legacy.skipped:
+            ratios[c.path].append(legacy.step_peak / c.step_peak)
+        if c.path == "top-k" and not c.skipped and c.breakdown:
+            held = sum(c.breakdown.values()) or 1
+            weights.append(sum(c.breakdown.get(k, 0) for k in ("parameters", "gradients", "optimizer_state")) / held)
+    if not ratios["top-k"]:
+        return "(no config measured on both paths: no ratio to read)"
+    spans = ", ".join(f"{min(r):.2f}-{max(r):.2f}x lower with {path}" for path, r in ratios.items() if r)
+    share = (
+        f"; weights, gradients and AdamW state are {100 * min(weights):.0f}-{100 * max(weights):.0f} % of the top-k "
+        "step peaks, the part neither path changes (the non-weight column compares the rest)"
+        if weights
+        else ""
+    )
+    return f"Over the configs measured on both paths, the step peak is {spans} than on the legacy path{share}."
+
+
 def growth_table(cases: list[Case]) -> list[str]:
     """MiB of step peak per extra new token between consecutive lengths."""
     lengths = sorted({c.tokens for c in cases})
@@ -469,6 +494,8 @@ def report(
         "parameters, gradients and optimizer state).",
         "",
         *summary_table(cases),
+        "",
+        reading(cases),
         "",
         "### Growth of the step peak with the completion length",
         "",

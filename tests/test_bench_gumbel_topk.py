@@ -95,6 +95,9 @@ def test_quick_bench_prints_every_table(tmp_path):
     for cell, (a, b) in zip(summary[5:8], [(legacy, topk), (legacy, ckpt), (topk, ckpt)]):
         assert cell.endswith("x") and abs(float(cell[:-1]) - a / b) < 0.01  # the cells are rounded to 0.1 MiB
     assert float(summary[-1]) < 1.0  # worst phase error %
+    # the reading under the table is the table's own ratios (one config: each range is a single ratio)
+    one, two = (f"{float(c[:-1]):.2f}-{float(c[:-1]):.2f}x lower with" for c in summary[5:7])
+    assert f"{one} top-k, {two} top-k + ckpt than on the legacy path; weights" in text
 
     assert "(one length only: no growth to show)" in text
     mass = _table(text, "### Top-256 mass")
