@@ -247,6 +247,44 @@ def test_floor_takes_the_larger_of_compute_and_memory_per_part():
         ModelShape.from_config(type("Config", (), {"num_local_experts": 8})())
 
 
+SMOL = ModelShape(576, 1536, 30, 9, 3, 64, 49152)  # SmolLM2-135M
+
+
+@pytest.mark.parametrize("merged", [False, True])
+def test_a_bf16_sampler_reads_half_the_bytes_at_the_bf16_rate_after_one_cast(merged):
+    """A bfloat16 sampler of float32 weights: every rollout part reads 2-byte weights and a 2-byte cache and runs at
+    bfloat16's rate; one part before it casts the weights (read at 4 bytes, written at 2), or, merged, writes the
+    merged trunk at 2 bytes and casts only the head. Merged LoRA runs no adapter matmul in the rollout."""
+    lora = _settings(prompts=4, new_tokens=3, adapters=10_000, trainable=10_000)
+    plain = phase_work(SMOL, lora)["rollout"]
+    sampler = phase_work(SMOL, replace(lora, rollout_dtype="bfloat16", rollout_merged=merged))["rollout"]
+    w, hv, a = SMOL.trunk_weights, SMOL.head_weights, 0 if merged else 10_000
+    prep, parts = sampler[0], sampler[1:]
+    assert prep.flops == 0 and prep.dtype is None
+    assert prep.bytes == ((w + 10_000) * 4 + w * 2 + hv * 6 if merged else (w + hv) * 6)
+    assert len(parts) == len(plain) and all(x.dtype == "bfloat16" for x in parts)
+    keys = 9 + 3 - 1  # the last decode step attends over P + C - 1 keys
+    cache = SMOL.cache_values_per_token * 2 * 4 * (keys + 1)
+    assert parts[-1].bytes == (w + a + hv) * 2 + cache
+    assert parts[-1].flops == plain[-1].flops - (2 * 4 * 10_000 if merged else 0)
+    other = (("bfloat16", 4e11, 2e11),)
+    fast = floor(parts, matmul=1e11, bandwidth=1e10, skinny=5e10, other=other)
+    assert fast["compute_s"] == pytest.approx(sum(x.flops for x in parts) / 4e11)
+    assert fast["attainable_s"] == pytest.approx(
+        sum(max(x.flops / (2e11 if x.decode else 4e11), x.bytes / 1e10) for x in parts)
+    )
+
+
+def test_grpo_declares_its_sampler_for_the_roofline():
+    lora = LoraSettings(r=4, alpha=8, target_modules="all-linear")
+    method = RefCachedGRPO(name_or_path="tiny:llama", lora=lora, rollout_dtype="bfloat16", rollout_lora="merged")
+    assert (step_work(method).rollout_dtype, step_work(method).rollout_merged) == ("bfloat16", True)
+    settings = StepSettings.of(step_work(method), trainable=1, prompts=1, generations=2, prompt_length=4, new_tokens=2)
+    assert (settings.rollout_dtype, settings.rollout_merged) == ("bfloat16", True)
+    full = RefCachedGRPO(name_or_path="tiny:llama", rollout_lora="merged")  # no LoRA: nothing to merge
+    assert (step_work(full).rollout_dtype, step_work(full).rollout_merged) == (None, False)
+
+
 def test_rates_round_trip_and_a_bad_file_names_the_command(tmp_path):
     rates = measure_rates("cpu", ("float32",), quick=True)
     assert rates["dtypes"]["float32"]["matmul_flops_per_s"] > 1e8 and rates["bandwidth_bytes_per_s"] > 1e8

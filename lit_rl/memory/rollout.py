@@ -94,6 +94,10 @@ class StepWork:
         clip: the optimizer step clips the gradient norm (one more read and write of the gradients).
         differentiable: the step's rollout is differentiated through (its own phases), or ``None``: a sampled
             rollout scored after it (the GRPO family's phases).
+        rollout_dtype: a sampled rollout's matmuls and weights in this dtype (``bfloat16``: a lower-precision sampler
+            of float32 weights, cast once per rollout); ``None``: the trainer's.
+        rollout_merged: a sampled rollout reads LoRA merged into a copy of the weights (one matmul per layer), made
+            once per rollout.
     """
 
     reference_pass: bool = False
@@ -104,6 +108,8 @@ class StepWork:
     adapters: bool = False
     clip: bool = True
     differentiable: DifferentiableRollout | None = None
+    rollout_dtype: str | None = None
+    rollout_merged: bool = False
 
     def __post_init__(self) -> None:
         if self.scoring_passes < 0 or self.iterations < 1:

@@ -34,7 +34,7 @@ from lit_rl.memory.machine_rates import load_rates, measure_rates
 from lit_rl.memory.phases import BACKWARD
 from lit_rl.memory.rollout import rollout_shape, step_work
 from lit_rl.memory.step_prediction import step_shape
-from lit_rl.memory.work import ModelShape, StepSettings, floor, phase_work
+from lit_rl.memory.work import ModelShape, StepSettings, floor, other_rates, phase_work
 from lit_rl.models import base_model
 
 MEASURE = "measure"
@@ -185,13 +185,15 @@ class PhaseRoofline:
         if self.rates != MEASURE:
             return load_rates(self.rates)
         if self._measured is None:
-            self._measured = measure_rates(self._device, (self._run[2],), quick=True)
+            sampler = self._run[1].rollout_dtype  # a sampler in its own dtype is timed at that dtype's rates
+            dtypes = (self._run[2], *([sampler] if sampler and sampler != self._run[2] else []))
+            self._measured = measure_rates(self._device, dtypes, quick=True)
         return self._measured
 
 
 @lru_cache(maxsize=64)
-def _step_floors(m: ModelShape, s: StepSettings, matmul: float, bandwidth: float, skinny: float):
-    return {name: floor(works, matmul, bandwidth, skinny) for name, works in phase_work(m, s).items()}
+def _step_floors(m: ModelShape, s: StepSettings, matmul: float, bandwidth: float, skinny: float, other: tuple):
+    return {name: floor(works, matmul, bandwidth, skinny, other) for name, works in phase_work(m, s).items()}
 
 
 def phase_table(
@@ -200,7 +202,8 @@ def phase_table(
     """Per phase of ``names`` over ``steps`` (``{"times": {phase: seconds}, "settings": StepSettings}``): the median
     measured seconds and, for the modelled phases, the median FLOPs, bytes, floors and ``achieved`` (floor / time)."""
     per_dtype = rates["dtypes"][dtype]
-    args = (per_dtype["matmul_flops_per_s"], rates["bandwidth_bytes_per_s"], per_dtype["skinny_matmul_flops_per_s"])
+    args = (per_dtype["matmul_flops_per_s"], rates["bandwidth_bytes_per_s"], per_dtype["skinny_matmul_flops_per_s"],
+            other_rates(rates, dtype))  # fmt: skip
     phases: dict[str, Any] = {}
     for name in names:
         timed = [s for s in steps if name in s["times"]]

@@ -28,7 +28,9 @@ completion, as :class:`~lit_rl.memory.step_prediction.StepShape` reads them):
 - ``rollout``: a prefill of ``P - 1`` tokens per prompt (once per prompt with shared-prompt passes, once per
   completion without; no head), then ``C`` decode steps of ``B * G`` rows, step ``j`` attending over ``P + j - 1``
   keys and running the head; each reads every weight (``W + A + H*V``) and the cache so far. Reward functions and
-  text decoding are not counted.
+  text decoding are not counted. A sampler in its own dtype (``StepWork.rollout_dtype``: bfloat16 of float32
+  weights) reads weights and cache at that dtype's size, runs at its matmul rate, and first casts the weights once
+  (read and written); a merged one (``rollout_merged``) runs no adapter matmul and first writes the merged trunk.
 - ``reference``: a no-grad forward over the rollout per scoring pass, per micro-batch: ``u*P + b*C`` trunk tokens
   for ``b`` completions of ``u`` prompts with shared-prompt passes
   (:func:`~lit_rl.models.shared_prompt.group_runs`), ``b*(P + C)`` without, and the head on the ``b*C`` completion
@@ -84,6 +86,8 @@ from typing import Any
 from lit_rl.memory.phases import BACKWARD, OPTIMIZER
 from lit_rl.memory.rollout import StepWork
 from lit_rl.models.shared_prompt import group_runs
+
+ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}  # bytes per value of the dtypes a step computes in
 
 
 @dataclass(frozen=True)
@@ -177,6 +181,9 @@ class StepSettings:
     scorer: ModelShape | None = None
     recompute_steps: bool = False
     grad_window: int | None = None
+    # a sampled rollout's own precision (None: the trainer's) and LoRA merged into the weights it reads
+    rollout_dtype: str | None = None
+    rollout_merged: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.scorer, dict):  # from asdict(), as a report stores the settings
@@ -204,6 +211,8 @@ class StepSettings:
             reference_passes=int(work.reference_pass) + work.scoring_passes,
             iterations=work.iterations,
             clip=work.clip,
+            rollout_dtype=work.rollout_dtype,
+            rollout_merged=work.rollout_merged,
             **extra,
             **shapes,
         )
@@ -211,11 +220,13 @@ class StepSettings:
 
 @dataclass(frozen=True)
 class Work:
-    """One part of a phase: FLOPs and the least bytes it moves; ``decode``: a decode step's few-row matmuls."""
+    """One part of a phase: FLOPs and the least bytes it moves; ``decode``: a decode step's few-row matmuls;
+    ``dtype``: its matmuls run in this dtype, not the step's."""
 
     flops: float
     bytes: float
     decode: bool = False
+    dtype: str | None = None
 
 
 def _micro_batches(s: StepSettings) -> list[tuple[int, int, int]]:
@@ -242,17 +253,19 @@ def phase_work(m: ModelShape, s: StepSettings) -> dict[str, list[Work]]:
     wb, w, a, hv = s.weight_bytes, m.trunk_weights, s.adapters, m.head_weights
     rows = s.prompts * s.generations
     kv = m.cache_values_per_token * s.cache_bytes  # bytes per cached token
-    rollout = []
+    rollout, rd = _sampler(m, s), s.rollout_dtype
+    rb = ITEMSIZE[rd] if rd else wb  # the rollout's weights, in its own dtype when it has one
+    ra, rkv = (0 if s.rollout_merged else a), (m.cache_values_per_token * rb if rd else kv)
     prefill_rows = s.prompts if s.share_prompt and s.generations > 1 and s.prompt_length > 1 else rows
     p = s.prompt_length - 1
     if p > 0:
         tokens = prefill_rows * p
-        flops = 2 * tokens * (w + a) + m.attention_flops(prefill_rows * p * p)
-        rollout.append(Work(flops, (w + a) * wb + tokens * kv))
+        flops = 2 * tokens * (w + ra) + m.attention_flops(prefill_rows * p * p)
+        rollout.append(Work(flops, (w + ra) * rb + tokens * rkv, dtype=rd))
     for j in range(1, s.new_tokens + 1):
         keys = s.prompt_length + j - 1
-        flops = 2 * rows * (w + a + hv) + m.attention_flops(rows * keys)
-        rollout.append(Work(flops, (w + a + hv) * wb + rows * keys * kv + rows * kv, decode=True))
+        flops = 2 * rows * (w + ra + hv) + m.attention_flops(rows * keys)
+        rollout.append(Work(flops, (w + ra + hv) * rb + rows * keys * rkv + rows * rkv, decode=True, dtype=rd))
 
     def forward(tokens: int, pairs: int, head_tokens: int, adapters: int) -> Work:
         flops = 2 * tokens * (w + adapters) + m.attention_flops(pairs) + 2 * head_tokens * hv
@@ -284,6 +297,18 @@ def phase_work(m: ModelShape, s: StepSettings) -> dict[str, list[Work]]:
     }
 
 
+def _sampler(m: ModelShape, s: StepSettings) -> list[Work]:
+    """What a sampled rollout does once before its first token: LoRA merged into a copy of the trunk's weights (the
+    base and adapters read, the copy written in the rollout's dtype) and weights cast to the rollout's dtype (read,
+    written); the merge's own small matmuls are not counted."""
+    w, hv, wb = m.trunk_weights, m.head_weights, s.weight_bytes
+    rb = ITEMSIZE[s.rollout_dtype] if s.rollout_dtype else wb
+    moved = ((w + s.adapters) * wb + w * rb if s.rollout_merged and s.adapters else 0) + (
+        (hv + (0 if s.rollout_merged and s.adapters else w)) * (wb + rb) if rb != wb else 0
+    )
+    return [Work(0, moved)] if moved else []
+
+
 def _optimizer(s: StepSettings) -> Work:
     return Work(0, s.trainable * s.weight_bytes * (7 + 1 + (3 if s.clip else 0)))
 
@@ -301,7 +326,9 @@ def _differentiable_work(m: ModelShape, s: StepSettings) -> dict[str, list[Work]
     for b in [min(size, n - start) for start in range(0, n, size)]:
         sides = 2 if ref else 1  # the policy, and the reference beside it
         prefill = 2 * b * p * (w + a) + m.attention_flops(b * p * p)
-        generate.append(Work(prefill + (prefill - 2 * b * p * a if ref else 0), (sides * w + a) * wb + sides * b * p * kv))
+        generate.append(
+            Work(prefill + (prefill - 2 * b * p * a if ref else 0), (sides * w + a) * wb + sides * b * p * kv)
+        )
         for j in range(c):  # token j: the heads; then the trunk step that feeds it back (none after the last)
             flops, moved = 2 * b * hv * sides, hv * wb * sides
             if j + 1 < c:
@@ -341,16 +368,21 @@ def _trunk_backward(m: ModelShape, s: StepSettings, tokens: int, pairs: int, rec
     return Work(flops, (w + a) * wb * (2 if recompute else 1) + grads, decode=True)
 
 
-def floor(works: list[Work], matmul: float, bandwidth: float, skinny: float | None = None) -> dict[str, Any]:
+def floor(
+    works: list[Work], matmul: float, bandwidth: float, skinny: float | None = None, other: tuple = ()
+) -> dict[str, Any]:
     """FLOPs, bytes and the floor of a phase's parts at ``matmul`` FLOP/s and ``bandwidth`` bytes/s.
 
-    ``skinny``: the decode-shaped matmul rate, for ``attainable_s`` (the decode steps at that rate).
+    ``skinny``: the decode-shaped matmul rate, for ``attainable_s`` (the decode steps at that rate). ``other``:
+    ``(dtype, matmul, skinny)`` rates of the dtypes that parts run in instead of the step's (``Work.dtype``).
     """
+    rates = {d: (mm, sk or mm) for d, mm, sk in other}
+    step = (matmul, skinny or matmul)
+    big = [rates.get(x.dtype, step)[0] for x in works]
     flops, moved = sum(x.flops for x in works), sum(x.bytes for x in works)
-    compute_s, memory_s = flops / matmul, moved / bandwidth
-    floor_s = sum(max(x.flops / matmul, x.bytes / bandwidth) for x in works)
-    rate = {False: matmul, True: skinny or matmul}
-    attainable_s = sum(max(x.flops / rate[x.decode], x.bytes / bandwidth) for x in works)
+    compute_s, memory_s = sum(x.flops / r for x, r in zip(works, big)), moved / bandwidth
+    floor_s = sum(max(x.flops / r, x.bytes / bandwidth) for x, r in zip(works, big))
+    attainable_s = sum(max(x.flops / rates.get(x.dtype, step)[x.decode], x.bytes / bandwidth) for x in works)
     return {
         "flops": flops,
         "bytes": moved,
@@ -360,3 +392,9 @@ def floor(works: list[Work], matmul: float, bandwidth: float, skinny: float | No
         "bound": "compute" if compute_s >= memory_s else "memory",
         "attainable_s": attainable_s,
     }
+
+
+def other_rates(rates: dict[str, Any], dtype: str) -> tuple:
+    """``floor``'s ``other``: the rates of every dtype but the step's ``dtype`` that ``rates`` holds."""
+    return tuple((d, v["matmul_flops_per_s"], v["skinny_matmul_flops_per_s"])
+                 for d, v in sorted(rates["dtypes"].items()) if d != dtype)  # fmt: skip

@@ -154,9 +154,11 @@ class RefCachedGRPO(RLMethod):
         return ["lit_rl.data.rewards.correct_answer"]
 
     def step_work(self) -> StepWork:
-        # the reference pass when beta > 0 (needs_reference), one more policy pass for the old log-probs
-        iterations = self.hparams.num_iterations
-        return replace(super().step_work(), scoring_passes=int(iterations > 1), iterations=iterations)
+        hp = self.hparams  # one more policy pass for the old log-probs (num_iterations > 1), and the sampler's settings
+        sampler = dict(rollout_dtype=None if hp.rollout_dtype == "same" else hp.rollout_dtype,
+                       rollout_merged=hp.rollout_lora == "merged" and self.uses_lora)  # fmt: skip
+        return replace(super().step_work(), scoring_passes=int(hp.num_iterations > 1), iterations=hp.num_iterations,
+                       **sampler)  # fmt: skip
 
     @property
     def needs_reference(self) -> bool:
