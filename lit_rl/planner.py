@@ -45,7 +45,7 @@ from lit_rl.memory.estimate import Estimate, copy_method, estimate_step
 from lit_rl.memory.fit import checkpointed_layers, layer_count, least_checkpointing
 from lit_rl.memory.machine_rates import load_rates, measure_rates
 from lit_rl.memory.units import format_bytes
-from lit_rl.memory.work import ModelShape, StepSettings, floor, other_rates, phase_work
+from lit_rl.memory.work import ModelShape, StepSettings, floor, floor_rates, phase_work
 from lit_rl.models import checkpointing_refused, own_recomputation
 
 #: tactics that change the numbers a step computes, searched only when ``--allow`` names them
@@ -286,10 +286,8 @@ def _floor(method, s: dict[str, Any], trainable: int, rates: dict[str, Any]) -> 
     )
     dtype = "bfloat16" if half else "float32"
     dtype = dtype if dtype in rates["dtypes"] else next(iter(rates["dtypes"]))
-    values = rates["dtypes"][dtype]
-    args = (values["matmul_flops_per_s"], rates["bandwidth_bytes_per_s"], values["skinny_matmul_flops_per_s"])
-    other = other_rates(rates, dtype)  # a sampler in its own dtype
-    return sum(floor(works, *args, other)["attainable_s"] for works in phase_work(shape, step).values())
+    args = floor_rates(rates, dtype)  # with those of a sampler in its own dtype
+    return sum(floor(works, *args)["attainable_s"] for works in phase_work(shape, step).values())
 
 
 # ------------------------------------------------------------------------------------------------ the plan file

@@ -34,7 +34,7 @@ from lit_rl.memory.machine_rates import load_rates, measure_rates
 from lit_rl.memory.phases import BACKWARD
 from lit_rl.memory.rollout import rollout_shape, step_work
 from lit_rl.memory.step_prediction import step_shape
-from lit_rl.memory.work import ModelShape, StepSettings, floor, other_rates, phase_work
+from lit_rl.memory.work import ModelShape, StepSettings, floor, floor_rates, phase_work
 from lit_rl.models import base_model
 
 MEASURE = "measure"
@@ -201,9 +201,7 @@ def phase_table(
 ) -> dict[str, Any]:
     """Per phase of ``names`` over ``steps`` (``{"times": {phase: seconds}, "settings": StepSettings}``): the median
     measured seconds and, for the modelled phases, the median FLOPs, bytes, floors and ``achieved`` (floor / time)."""
-    per_dtype = rates["dtypes"][dtype]
-    args = (per_dtype["matmul_flops_per_s"], rates["bandwidth_bytes_per_s"], per_dtype["skinny_matmul_flops_per_s"],
-            other_rates(rates, dtype))  # fmt: skip
+    args = floor_rates(rates, dtype)
     phases: dict[str, Any] = {}
     for name in names:
         timed = [s for s in steps if name in s["times"]]

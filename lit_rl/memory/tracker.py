@@ -66,7 +66,8 @@ def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
     """The tensors in ``obj``: an operator's arguments and results are tensors in tuples, lists and dicts, walked
-    here directly (pytree's walk of every operator's arguments cost an eighth of an estimate); other containers by pytree."""
+    here directly (pytree's walk of every operator's arguments cost an eighth of an estimate); other containers by
+    pytree."""
     found, stack = [], [obj]
     while stack:
         x = stack.pop()

@@ -253,8 +253,9 @@ def phase_work(m: ModelShape, s: StepSettings) -> dict[str, list[Work]]:
     wb, w, a, hv = s.weight_bytes, m.trunk_weights, s.adapters, m.head_weights
     rows = s.prompts * s.generations
     kv = m.cache_values_per_token * s.cache_bytes  # bytes per cached token
-    rollout, rd = _sampler(m, s), s.rollout_dtype
+    rd = s.rollout_dtype
     rb = ITEMSIZE[rd] if rd else wb  # the rollout's weights, in its own dtype when it has one
+    rollout = _sampler(m, s, rb)
     ra, rkv = (0 if s.rollout_merged else a), (m.cache_values_per_token * rb if rd else kv)
     prefill_rows = s.prompts if s.share_prompt and s.generations > 1 and s.prompt_length > 1 else rows
     p = s.prompt_length - 1
@@ -297,15 +298,17 @@ def phase_work(m: ModelShape, s: StepSettings) -> dict[str, list[Work]]:
     }
 
 
-def _sampler(m: ModelShape, s: StepSettings) -> list[Work]:
-    """What a sampled rollout does once before its first token: LoRA merged into a copy of the trunk's weights (the
-    base and adapters read, the copy written in the rollout's dtype) and weights cast to the rollout's dtype (read,
-    written); the merge's own small matmuls are not counted."""
+def _sampler(m: ModelShape, s: StepSettings, rb: int) -> list[Work]:
+    """What a sampled rollout does once before its first token, its weights ``rb`` bytes each: LoRA merged into a
+    copy of the trunk's weights (the base and adapters read, the copy written in the rollout's dtype) and the weights
+    left to cast to the rollout's dtype (read and written); the merge's own small matmuls are not counted."""
     w, hv, wb = m.trunk_weights, m.head_weights, s.weight_bytes
-    rb = ITEMSIZE[s.rollout_dtype] if s.rollout_dtype else wb
-    moved = ((w + s.adapters) * wb + w * rb if s.rollout_merged and s.adapters else 0) + (
-        (hv + (0 if s.rollout_merged and s.adapters else w)) * (wb + rb) if rb != wb else 0
-    )
+    merged = s.rollout_merged and s.adapters > 0
+    moved = 0
+    if merged:
+        moved += (w + s.adapters) * wb + w * rb
+    if rb != wb:
+        moved += (hv if merged else w + hv) * (wb + rb)
     return [Work(0, moved)] if moved else []
 
 
@@ -376,13 +379,12 @@ def floor(
     ``skinny``: the decode-shaped matmul rate, for ``attainable_s`` (the decode steps at that rate). ``other``:
     ``(dtype, matmul, skinny)`` rates of the dtypes that parts run in instead of the step's (``Work.dtype``).
     """
-    rates = {d: (mm, sk or mm) for d, mm, sk in other}
-    step = (matmul, skinny or matmul)
-    big = [rates.get(x.dtype, step)[0] for x in works]
+    by_dtype = {d: (mm, sk or mm) for d, mm, sk in other}
+    rates = [by_dtype.get(x.dtype, (matmul, skinny or matmul)) for x in works]  # (square, decode-shaped) per part
     flops, moved = sum(x.flops for x in works), sum(x.bytes for x in works)
-    compute_s, memory_s = sum(x.flops / r for x, r in zip(works, big)), moved / bandwidth
-    floor_s = sum(max(x.flops / r, x.bytes / bandwidth) for x, r in zip(works, big))
-    attainable_s = sum(max(x.flops / rates.get(x.dtype, step)[x.decode], x.bytes / bandwidth) for x in works)
+    compute_s, memory_s = sum(x.flops / r[0] for x, r in zip(works, rates)), moved / bandwidth
+    floor_s = sum(max(x.flops / r[0], x.bytes / bandwidth) for x, r in zip(works, rates))
+    attainable_s = sum(max(x.flops / r[x.decode], x.bytes / bandwidth) for x, r in zip(works, rates))
     return {
         "flops": flops,
         "bytes": moved,
@@ -394,7 +396,10 @@ def floor(
     }
 
 
-def other_rates(rates: dict[str, Any], dtype: str) -> tuple:
-    """``floor``'s ``other``: the rates of every dtype but the step's ``dtype`` that ``rates`` holds."""
-    return tuple((d, v["matmul_flops_per_s"], v["skinny_matmul_flops_per_s"])
-                 for d, v in sorted(rates["dtypes"].items()) if d != dtype)  # fmt: skip
+def floor_rates(rates: dict[str, Any], dtype: str) -> tuple:
+    """:func:`floor`'s rates from machine ``rates`` for a step computing in ``dtype``: its matmul rate, the bandwidth,
+    its decode-shaped rate, and (``other``) those of every other dtype ``rates`` holds, for parts run in another."""
+    values = rates["dtypes"][dtype]
+    other = tuple((d, v["matmul_flops_per_s"], v["skinny_matmul_flops_per_s"])
+                  for d, v in sorted(rates["dtypes"].items()) if d != dtype)  # fmt: skip
+    return values["matmul_flops_per_s"], rates["bandwidth_bytes_per_s"], values["skinny_matmul_flops_per_s"], other
