@@ -77,10 +77,11 @@ TOLERANCE = {"tiny:gpt2": 1e-9, "tiny:llama": 2e-6, "tiny:qwen2": 2e-6}
 @pytest.mark.parametrize("model", ["tiny:llama", "tiny:qwen2", "tiny:gpt2"])
 @pytest.mark.parametrize("micro_batch_size", [None, 3, 5])  # whole batch, micro-batches that split groups
 @pytest.mark.parametrize("lora", [False, True])
-def test_shared_prompt_update_equals_plain_path_in_float64(model, micro_batch_size, lora):
+@pytest.mark.parametrize("padding_free", [False, True])
+def test_shared_prompt_update_equals_plain_path_in_float64(model, micro_batch_size, lora, padding_free):
     settings = LoraSettings(r=4, alpha=8, target_modules="all-linear") if lora else None
     plain = _method(model=model, micro_batch_size=micro_batch_size, lora=settings, share_prompt=False)
-    shared = _method(model=model, micro_batch_size=micro_batch_size, lora=settings)
+    shared = _method(model=model, micro_batch_size=micro_batch_size, lora=settings, padding_free=padding_free)
     assert shared.share_prompt and not plain.share_prompt
     with torch.no_grad():  # move the policy away from the reference (peft starts LoRA B at zero)
         for name, p in plain.policy.named_parameters():
@@ -91,6 +92,10 @@ def test_shared_prompt_update_equals_plain_path_in_float64(model, micro_batch_si
     loss_a, grads_a, ref_a, logp_a = _update(plain, rollout)
     loss_b, grads_b, ref_b, logp_b = _update(shared, _rollout())
     tol = TOLERANCE[model]
+    counted = rollout.completion_mask.bool()  # padding-free: the tokens after EOS did not run (zero hidden states)
+    if padding_free:
+        assert not counted.all()  # some completions end early, so tokens were dropped
+        logp_a, logp_b, ref_a, ref_b = (t * counted for t in (logp_a, logp_b, ref_a, ref_b))
     torch.testing.assert_close(logp_b, logp_a, rtol=tol, atol=tol)
     torch.testing.assert_close(ref_b, ref_a, rtol=tol, atol=tol)
     torch.testing.assert_close(loss_b, loss_a, rtol=tol, atol=tol)
@@ -123,13 +128,49 @@ def test_shared_prompt_survives_activation_checkpointing():
     torch.testing.assert_close(hidden, plain, rtol=1e-6, atol=1e-6)
 
 
-def test_intuitor_self_certainty_pass_shares_the_prompt_exactly():
+@pytest.mark.parametrize("model", ["tiny:llama", "tiny:gpt2"])
+def test_padding_free_runs_only_the_counted_tokens_and_keeps_their_values(model):
+    """Against the plain padded path in float64: the same hidden states and gradients where a token counts, zero
+    hidden states where it does not, and only the prompts plus the scoring completion tokens through the trunk."""
+    net = load_causal_lm(model).double().train()
     rollout = _rollout()
+    sl = slice(2, 9)  # splits the first and last group
+    ids, mask, keep = rollout.input_ids[sl], rollout.attention_mask[sl], rollout.completion_mask[sl]
+    runs = group_runs(sl.start, sl.stop, G)
+    lengths = []
+    hook = net.get_input_embeddings().register_forward_hook(lambda m, i, o: lengths.append(i[0].shape[-1]))
+    results = []
+    for kept in (None, keep):
+        net.zero_grad()
+        lengths.clear()
+        hidden = shared_prompt_hidden(net, ids, mask, P, runs, kept)  # [b, C, H]
+        weights = torch.linspace(-1, 1, hidden.numel(), dtype=hidden.dtype).view_as(hidden) * keep[..., None]
+        (hidden * weights).sum().backward()
+        results.append((hidden.detach(), torch.cat([p.grad.flatten() for p in net.parameters()]), lengths[0]))
+    hook.remove()
+    (padded, grad_padded, n_padded), (free, grad_free, n_free) = results
+    assert n_padded == len(runs) * P + keep.shape[0] * C
+    assert n_free == len(runs) * P + int((keep.sum(1) - 1).sum())  # a completion's last token scores nothing
+    counted = keep.bool()
+    torch.testing.assert_close(free[counted], padded[counted], rtol=1e-10, atol=1e-10)
+    assert free[~counted].abs().max() == 0 and (~counted).any()
+    torch.testing.assert_close(grad_free, grad_padded, rtol=1e-9, atol=1e-9)
+    plain = trunk_hidden(net, ids, mask)[:, P - 1 : -1]
+    torch.testing.assert_close(free[counted], plain[counted].detach(), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="prefix"):
+        shared_prompt_hidden(net, ids, mask, P, runs, keep.flip(1))
+
+
+@pytest.mark.parametrize("padding_free", [False, True])
+def test_intuitor_self_certainty_pass_shares_the_prompt_exactly(padding_free):
+    rollout = _rollout()
+    counted = rollout.completion_mask if padding_free else torch.ones_like(rollout.completion_mask)
     results = []
     for share in (False, True):
-        method = _method(Intuitor, micro_batch_size=5, share_prompt=share, loss=LossSettings(beta=0.0))
+        method = _method(Intuitor, micro_batch_size=5, share_prompt=share, padding_free=padding_free,
+                         loss=LossSettings(beta=0.0))  # fmt: skip
         logp, certainty = method.micro_batched_stats(method.policy, rollout, self_certainty=True)
-        results.append((logp, certainty))
+        results.append((logp * counted, certainty * counted))
     for a, b in zip(*results):
         torch.testing.assert_close(b, a, rtol=2e-6, atol=2e-6)
 

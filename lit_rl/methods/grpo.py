@@ -88,6 +88,8 @@ class RefCachedGRPO(RLMethod):
             its completions attending to it (exact: equal log-probs and gradients up to floating-point order). Time
             and saved activations of those passes scale with ``u * P + b * C`` tokens instead of ``b * (P + C)``.
             Turned off with a one-line message for a model on which it is not exact (checked at load).
+        padding_free: with ``share_prompt``, a completion's tokens after its EOS leave those passes (exact: no
+            counted token reads them), so a group with one long completion costs its real tokens, not ``b * C``.
         rollout_dtype: ``same``: the rollout computes as the trainer does; ``bfloat16``: with float32 weights, the
             decode loop's matmuls run in bf16 (autocast, each weight cast once per rollout: a bf16 copy of the linear
             layers held through the rollout, which the estimator charges). Faster where bf16 matmuls are, and the
@@ -128,6 +130,7 @@ class RefCachedGRPO(RLMethod):
         mask_truncated_completions: bool = False,
         chunk_size: int | None = None,
         share_prompt: bool = True,
+        padding_free: bool = True,
         rollout_dtype: Literal["same", "bfloat16"] = "same",
         rollout_lora: Literal["adapters", "merged"] = "adapters",
         rollout_draw: Literal["generate", "fast"] = "generate",
@@ -322,18 +325,20 @@ class RefCachedGRPO(RLMethod):
         self_certainty: bool = False,
         chunk_size: int | None = None,
         runs: list[int] | None = None,
+        keep: torch.Tensor | None = None,
     ) -> TokenStats:
         """Log-probs (and entropy / self-certainty) of the completion tokens, without ``[B, T, V]`` logits.
 
         ``input_ids`` is prompt + completion ``[B, P + C]``; the hidden state at position ``t`` predicts
         token ``t + 1``, so positions ``P - 1 .. P + C - 2`` score the ``C`` completion tokens. ``runs``: the
         lengths of the consecutive runs of rows that share a prompt, whose prompt then runs once (``None``: every
-        row runs whole).
+        row runs whole). ``keep``: with ``runs``, the completion mask ``[B, C]`` of the tokens that count; the others
+        leave the pass (:func:`~lit_rl.models.shared_prompt.shared_prompt_hidden`).
         """
         if runs is None:
             hidden = trunk_hidden(model, input_ids, attention_mask)[:, prompt_length - 1 : -1]  # [B, C, H]
         else:
-            hidden = shared_prompt_hidden(model, input_ids, attention_mask, prompt_length, runs)  # [B, C, H]
+            hidden = shared_prompt_hidden(model, input_ids, attention_mask, prompt_length, runs, keep)  # [B, C, H]
         targets = input_ids[:, prompt_length:]  # [B, C]
         head = head_spec(model)  # weight, bias, logit scale, softcap and pre-head transform of this architecture
         return token_stats(
@@ -419,17 +424,11 @@ class RefCachedGRPO(RLMethod):
     def _stats(self, model, rollout: Rollout, sl: slice, **kw) -> TokenStats:
         # rollout rows are groups of num_generations consecutive completions of one prompt
         runs = group_runs(sl.start, sl.stop, self.hparams.num_generations) if self.share_prompt else None
-        end = rollout.prompt_length + rollout.width(sl)
-        return self.completion_stats(
-            model,
-            rollout.input_ids[sl, :end],
-            rollout.attention_mask[sl, :end],
-            rollout.prompt_length,
-            temperature=self.hparams.temperature,
-            chunk_size=self.hparams.chunk_size,
-            runs=runs,
-            **kw,
-        )
+        end, width = rollout.prompt_length + rollout.width(sl), rollout.width(sl)
+        keep = rollout.completion_mask[sl, :width] if self.hparams.padding_free else None
+        return self.completion_stats(model, rollout.input_ids[sl, :end], rollout.attention_mask[sl, :end],
+                                     rollout.prompt_length, temperature=self.hparams.temperature,
+                                     chunk_size=self.hparams.chunk_size, runs=runs, keep=keep, **kw)  # fmt: skip
 
     # ------------------------------------------------------------------ update
     def policy_loss(self, rollout: Rollout, sl: slice, num_items: float) -> tuple[torch.Tensor, dict[str, float]]:

@@ -15,6 +15,14 @@ log-probs and gradients are equal up to floating-point order, and the gradient o
 summed over its completions in one backward through one prompt pass. The packed row carries no mask;
 transformers' mask creation is skipped with a 4D placeholder mask that only this function receives.
 
+Padding-free (``keep``): a completion's tokens after its end (EOS, or the micro-batch's longest completion) are
+padding that no real token reads, since attention is causal. With ``keep`` they leave the packed row: every layer's
+projections, MLP and saved activations run on the kept tokens only, and attention alone puts them back in their
+``[P]``/``[C]`` blocks (zeros, masked out as keys) and takes the kept rows out again. The hidden states of kept
+tokens are those of the padded row up to floating-point order; a dropped token's hidden state is zero, and its
+log-prob is masked out by every loss. verl drops padding the same way (``use_remove_padding``), through flash
+attention's variable-length kernels; here it rides on the shared-prompt attention, so it needs what that needs.
+
 Calls without a layout fall through to transformers' own ``sdpa`` function unchanged, so generation, the
 reward model and every other forward are untouched. Models whose layers do not all route through that
 function (recurrent or convolutional mixers, sliding windows, attention softcaps, ``eager``/flash attention)
@@ -47,6 +55,7 @@ class PromptLayout:
     group_of: torch.Tensor  # [b] long: the prompt each completion continues
     prompt_keys: torch.Tensor  # [u, P] bool: real (not padding) prompt tokens
     completion_keys: torch.Tensor  # [b, C] bool: real completion tokens
+    kept: torch.Tensor | None = None  # [n] positions in the padded row of the tokens that run (None: all of them)
     calls: int = 0  # attention calls that used the layout (0 after a forward: the model ignored it)
 
 
@@ -64,7 +73,12 @@ def group_runs(start: int, stop: int, group_size: int) -> list[int]:
 
 
 def shared_prompt_hidden(
-    model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int, runs: list[int]
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    prompt_length: int,
+    runs: list[int],
+    keep: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Hidden states ``[b, C, H]`` that score the completion tokens, the prompt of each run computed once.
 
@@ -75,6 +89,9 @@ def shared_prompt_hidden(
         attention_mask: ``[b, P + C]``, left padding in the prompt part.
         prompt_length: ``P``.
         runs: lengths of the consecutive runs of rows that share a prompt (see :func:`group_runs`); ``sum(runs) = b``.
+        keep: ``[b, C]``, nonzero for the completion tokens whose log-probs count (a prefix of each row, as the
+            completion mask is); the others leave the packed row and get zero hidden states. ``None``, or fake tensors
+            (an estimate: every token is taken to count), run every token.
     """
     install()
     b, total = input_ids.shape
@@ -97,6 +114,15 @@ def shared_prompt_hidden(
     ids = torch.cat([prompt_ids.reshape(-1), completion_ids.reshape(-1)])[None]  # [1, u*P + b*C]
     positions = torch.cat([prompt_pos.reshape(-1), completion_pos.clamp(min=0).reshape(-1)])[None]  # [1, N]
     layout = PromptLayout(u, p, c, group_of, prompt_mask.bool(), completion_mask.bool())
+    if keep is not None and not isinstance(keep, FakeTensor) and not keep.bool().all():
+        # the token at completion position j scores token j + 1, so the last kept token runs for no one's log-prob
+        scores = F.pad(keep[:, 1:].bool(), (0, 1), value=False)  # [b, C]
+        if not torch.equal(scores, scores.cummin(1).values):
+            raise ValueError("keep: each row's kept completion tokens must be a prefix of it, as a completion mask is")
+        layout.completion_keys = layout.completion_keys & scores
+        runs_token = torch.cat([torch.ones(u * p, dtype=torch.bool, device=device), scores.reshape(-1)])  # [N]
+        layout.kept = runs_token.nonzero()[:, 0]  # [n]
+        ids, positions = ids[:, layout.kept], positions[:, layout.kept]  # [1, n]
     placeholder = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)  # 4D: transformers builds no mask
     out = trunk(model)(
         input_ids=ids, attention_mask=placeholder, position_ids=positions, use_cache=False, **{_LAYOUT_KWARG: layout}
@@ -106,7 +132,9 @@ def shared_prompt_hidden(
             f"{type(base_model(model)).__name__} ignored the shared-prompt layout (its attention does not go through "
             "transformers' sdpa function); set model.share_prompt false"
         )
-    hidden = out[0][0]  # [N, H]
+    hidden = out[0][0]  # [N, H], or [n, H] padding-free
+    if layout.kept is not None:  # back to the padded row: zeros where a token did not run
+        hidden = hidden.new_zeros(u * p + b * c, hidden.shape[-1]).index_copy(0, layout.kept, hidden)  # [N, H]
     last_prompt = group_of * p + p - 1  # [b] the prompt's last token predicts the first completion token
     within = u * p + torch.arange(b, device=device)[:, None] * c + torch.arange(c - 1, device=device)  # [b, C-1]
     return hidden[torch.cat([last_prompt[:, None], within], dim=1)]  # [b, C, H]
@@ -152,7 +180,9 @@ def shared_prompt_attention(
     u, p, c = layout.groups, layout.prompt_length, layout.completion_length
     b = layout.group_of.shape[0]
     gqa = query.shape[1] != key.shape[1]  # grouped-query attention: sdpa repeats the key/value heads itself
-    q, k, v = query[0], key[0], value[0]  # [Hq, N, D], [Hkv, N, D]
+    q, k, v = query[0], key[0], value[0]  # [Hq, N, D], [Hkv, N, D]; padding-free: [H, n, D]
+    if layout.kept is not None:  # the dropped tokens back as zeros: masked out as keys, their queries' rows unread
+        q, k, v = (t.new_zeros(t.shape[0], u * p + b * c, t.shape[2]).index_copy(1, layout.kept, t) for t in (q, k, v))
 
     def split(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [H, N, D] -> [u, H, P, D], [b, H, C, D]
         return t[:, : u * p].unflatten(1, (u, p)).transpose(0, 1), t[:, u * p :].unflatten(1, (b, c)).transpose(0, 1)
@@ -179,7 +209,9 @@ def shared_prompt_attention(
         qc, kg, vg, attn_mask=keys_c, dropout_p=dropout, scale=scaling, enable_gqa=gqa
     )  # [b, Hq, C, D]
     out = torch.cat([out_p.transpose(0, 1).flatten(1, 2), out_c.transpose(0, 1).flatten(1, 2)], dim=1)  # [Hq, N, D]
-    return out.transpose(0, 1)[None].contiguous(), None  # [1, N, Hq, D]
+    if layout.kept is not None:
+        out = out[:, layout.kept]  # [Hq, n, D]
+    return out.transpose(0, 1)[None].contiguous(), None  # [1, N, Hq, D] ([1, n, Hq, D] padding-free)
 
 
 def install() -> None:
@@ -214,8 +246,9 @@ def _architecture_reason(hf) -> str | None:
 def shared_prompt_unsupported(model) -> str | None:
     """Why the shared-prompt path is not exact for ``model`` (``None`` when it is).
 
-    Runs both paths in eval mode on two groups of random tokens (one left-padded, one split over two runs)
-    and compares the hidden states that score the completions.
+    Runs both paths in eval mode on two groups of random tokens (one left-padded, one split over two runs), the
+    shared one also padding-free with completions ending early, and compares the hidden states that score the
+    completions.
     """
     hf = base_model(model)
     attn = getattr(hf.config, "_attn_implementation", None)
@@ -242,6 +275,8 @@ def shared_prompt_unsupported(model) -> str | None:
         with torch.no_grad():
             plain = trunk_hidden(hf, ids, mask)[:, p - 1 : -1].double()
             shared = shared_prompt_hidden(hf, ids, mask, p, [3, 2, 1]).double()
+            keep = torch.arange(c, device=device) < torch.tensor([4, 2, 3, 1, 4, 2], device=device)[:, None]  # [6, C]
+            free = shared_prompt_hidden(hf, ids, mask, p, [3, 2, 1], keep).double()  # padding-free
             # generation: the prompt's last token on top of a shared prefill, against a whole-prompt forward
             prompt_ids, prompt_mask = ids[::3, :p], mask[::3, :p]
             cache = shared_prefill(hf, prompt_ids, prompt_mask, 3)
@@ -258,7 +293,8 @@ def shared_prompt_unsupported(model) -> str | None:
     finally:
         hf.train(was_training)
     scale = plain.abs().max().item()
-    diff = max((shared - plain).abs().max().item(), (last - plain[:, 0]).abs().max().item())
+    diff = max((shared - plain).abs().max().item(), (last - plain[:, 0]).abs().max().item(),
+               (free - plain)[keep].abs().max().item())  # fmt: skip
     dtype = next(hf.parameters()).dtype
     tolerance = 1e-4 * max(1.0, scale) + 64 * torch.finfo(dtype).eps * max(1.0, scale)
     if not diff <= tolerance:
