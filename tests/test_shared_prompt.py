@@ -80,7 +80,8 @@ TOLERANCE = {"tiny:gpt2": 1e-9, "tiny:llama": 2e-6, "tiny:qwen2": 2e-6}
 @pytest.mark.parametrize("padding_free", [False, True])
 def test_shared_prompt_update_equals_plain_path_in_float64(model, micro_batch_size, lora, padding_free):
     settings = LoraSettings(r=4, alpha=8, target_modules="all-linear") if lora else None
-    plain = _method(model=model, micro_batch_size=micro_batch_size, lora=settings, share_prompt=False)
+    plain = _method(model=model, micro_batch_size=micro_batch_size, lora=settings, share_prompt=False,
+                    padding_free=False)  # fmt: skip
     shared = _method(model=model, micro_batch_size=micro_batch_size, lora=settings, padding_free=padding_free)
     assert shared.share_prompt and not plain.share_prompt
     with torch.no_grad():  # move the policy away from the reference (peft starts LoRA B at zero)
@@ -159,6 +160,26 @@ def test_padding_free_runs_only_the_counted_tokens_and_keeps_their_values(model)
     torch.testing.assert_close(free[counted], plain[counted].detach(), rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="prefix"):
         shared_prompt_hidden(net, ids, mask, P, runs, keep.flip(1))
+
+
+def test_padding_free_head_on_the_plain_path_skips_padding_exactly():
+    """Without shared prompts the trunk runs padded rows, and padding_free still keeps the padding out of the LM head:
+    the same log-probs, entropies and gradients where a token counts (float64), zeros elsewhere."""
+    rollout = _rollout()
+    counted = rollout.completion_mask.bool()
+    results = []
+    for padding_free in (False, True):
+        method = _method(share_prompt=False, padding_free=padding_free)
+        method.zero_grad(set_to_none=True)
+        stats = method._stats(method.policy, rollout, slice(0, len(rollout)), entropy=True)
+        (stats.logp * counted * torch.linspace(-1, 1, counted.numel()).view_as(counted)).sum().backward()
+        grads = torch.cat([p.grad.flatten() for p in method.policy.parameters() if p.grad is not None])
+        results.append((stats.logp.detach(), stats.entropy.detach(), grads))
+    (logp_a, entropy_a, grad_a), (logp_b, entropy_b, grad_b) = results
+    torch.testing.assert_close(logp_b[counted], logp_a[counted], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(entropy_b[counted], entropy_a[counted], rtol=1e-6, atol=1e-6)
+    assert logp_b[~counted].abs().max() == 0 and entropy_b[~counted].abs().max() == 0 and (~counted).any()
+    torch.testing.assert_close(grad_b, grad_a, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("padding_free", [False, True])

@@ -38,6 +38,7 @@ from lit_rl.losses import (
     sampler_mismatch,
     sampler_weights,
 )
+from lit_rl.memory.fake import is_fake
 from lit_rl.memory.phases import BACKWARD, OPTIMIZER
 from lit_rl.memory.rollout import StepWork
 from lit_rl.methods.base import RLMethod
@@ -88,8 +89,8 @@ class RefCachedGRPO(RLMethod):
             its completions attending to it (exact: equal log-probs and gradients up to floating-point order). Time
             and saved activations of those passes scale with ``u * P + b * C`` tokens instead of ``b * (P + C)``.
             Turned off with a one-line message for a model on which it is not exact (checked at load).
-        padding_free: with ``share_prompt``, a completion's tokens after its EOS leave those passes (exact: no
-            counted token reads them), so a group with one long completion costs its real tokens, not ``b * C``.
+        padding_free: a completion's tokens after its EOS leave those passes' LM head and, with ``share_prompt``, the
+            whole pass (exact: no counted token reads them): one long completion costs its own tokens, not ``b * C``.
         rollout_dtype: ``same``: the rollout computes as the trainer does; ``bfloat16``: with float32 weights, the
             decode loop's matmuls run in bf16 (autocast, each weight cast once per rollout: a bf16 copy of the linear
             layers held through the rollout, which the estimator charges). Faster where bf16 matmuls are, and the
@@ -332,8 +333,9 @@ class RefCachedGRPO(RLMethod):
         ``input_ids`` is prompt + completion ``[B, P + C]``; the hidden state at position ``t`` predicts
         token ``t + 1``, so positions ``P - 1 .. P + C - 2`` score the ``C`` completion tokens. ``runs``: the
         lengths of the consecutive runs of rows that share a prompt, whose prompt then runs once (``None``: every
-        row runs whole). ``keep``: with ``runs``, the completion mask ``[B, C]`` of the tokens that count; the others
-        leave the pass (:func:`~lit_rl.models.shared_prompt.shared_prompt_hidden`).
+        row runs whole). ``keep``: the completion mask ``[B, C]`` of the tokens that count; the others get zero
+        statistics and skip the LM head, and with ``runs`` the trunk too
+        (:func:`~lit_rl.models.shared_prompt.shared_prompt_hidden`). Fake tensors (an estimate) run every token.
         """
         if runs is None:
             hidden = trunk_hidden(model, input_ids, attention_mask)[:, prompt_length - 1 : -1]  # [B, C, H]
@@ -341,16 +343,14 @@ class RefCachedGRPO(RLMethod):
             hidden = shared_prompt_hidden(model, input_ids, attention_mask, prompt_length, runs, keep)  # [B, C, H]
         targets = input_ids[:, prompt_length:]  # [B, C]
         head = head_spec(model)  # weight, bias, logit scale, softcap and pre-head transform of this architecture
-        return token_stats(
-            head.features(hidden),
-            head.weight,
-            targets,
-            temperature=temperature,
-            chunk_size=chunk_size,
-            entropy=entropy,
-            self_certainty=self_certainty,
-            **head.op_kwargs,
-        )
+        counted = keep.bool() if keep is not None and not is_fake(keep) and not keep.bool().all() else None
+        if counted is not None:  # padding-free: the head reads the counted positions only, [1, n, H]
+            hidden, targets = hidden[counted][None], targets[counted][None]
+        stats = token_stats(head.features(hidden), head.weight, targets, temperature=temperature, chunk_size=chunk_size,
+                            entropy=entropy, self_certainty=self_certainty, **head.op_kwargs)  # fmt: skip
+        if counted is None:
+            return stats
+        return TokenStats(*(v if v is None else v.new_zeros(counted.shape).masked_scatter(counted, v) for v in stats))
 
     def memory_components(self, policy_shape: dict[str, int]) -> list[tuple[str, str, int, str]]:
         s = policy_shape
