@@ -119,6 +119,29 @@ def test_shared_prompt_passes_count_u_prompts_and_b_completions():
     assert sum(x.flops for x in plain) > sum(x.flops for x in reference)
 
 
+def test_padding_free_passes_count_the_counted_completion_tokens():
+    """A padding-free pass runs the prompts and each completion's counted tokens but its last through the trunk, the
+    counted ones through the head, and attention on the padded blocks: counted FLOPs of the real code."""
+    model = _model(attention="sdpa").eval()
+    shape = ModelShape.from_config(model.config)
+    p, c, g = 6, 4, 3
+    ids = torch.cat([torch.randint(3, 96, (2, p)).repeat_interleave(g, 0), torch.randint(3, 96, (2 * g, c))], 1)
+    mask = torch.ones_like(ids)
+    keep = torch.arange(c) < torch.tensor([4, 2, 3, 1, 4, 2])[:, None]  # [6, C] completions ending early
+    settings = StepSettings(prompts=2, generations=g, prompt_length=p, new_tokens=c, completion_tokens=16)
+    (part,) = phase_work(shape, settings)["reference"]
+    head = lm_head(model).weight
+
+    def scoring():
+        hidden = shared_prompt_hidden(model, ids, mask, p, [g, g], keep)  # [6, C, H], zeros where not counted
+        selective_log_probs(hidden[keep][None], head, ids[:, p:][keep][None])
+
+    with torch.no_grad():
+        assert _counted(scoring) == part.flops
+    (padded,) = phase_work(shape, replace(settings, completion_tokens=None))["reference"]
+    assert padded.flops > part.flops
+
+
 def _update_flops(model, ids: torch.Tensor, p: int) -> tuple[int, int]:
     """Counted FLOPs of a scoring forward with gradients (trunk, chunked head) and of its backward."""
     model.train()

@@ -130,6 +130,7 @@ class PhaseRoofline:
                 prompts=shape.batch_size,
                 prompt_length=shape.prompt_length,
                 new_tokens=shape.new_tokens if shape.new_tokens is not None else self._run[1].new_tokens,
+                completion_tokens=(getattr(module, "step_shape", None) or {}).get("completion_tokens"),
             )
         except Exception as err:  # a roofline is a convenience: it must never stop training
             self._reason = f"not modelled: {err}"

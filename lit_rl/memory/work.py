@@ -36,7 +36,9 @@ completion, as :class:`~lit_rl.memory.step_prediction.StepShape` reads them):
   (:func:`~lit_rl.models.shared_prompt.group_runs`), ``b*(P + C)`` without, and the head on the ``b*C`` completion
   tokens. The passes are the ones the method declares in ``step_work()``
   (:class:`~lit_rl.memory.rollout.StepWork`): one for the reference when it runs, plus ``scoring_passes`` of the
-  policy (RefCachedGRPO's old log-probs, Intuitor's self-certainty); adapters are not counted here.
+  policy (RefCachedGRPO's old log-probs, Intuitor's self-certainty); adapters are not counted here. Padding-free
+  passes (``completion_tokens``: the step's counted completion tokens) put that count in place of ``b*C`` in the
+  head and, with shared-prompt passes, in the trunk, each micro-batch its share; attention keeps the padded blocks.
 - ``policy_forward``: the same forward with adapters, once per micro-batch and per iteration
   (``StepWork.iterations``, optimizer steps per rollout batch).
 - ``backward``: full fine-tuning: twice the forward's trunk and attention FLOPs (input and weight gradients) and
@@ -184,6 +186,8 @@ class StepSettings:
     # a sampled rollout's own precision (None: the trainer's) and LoRA merged into the weights it reads
     rollout_dtype: str | None = None
     rollout_merged: bool = False
+    # the rollout's completion tokens that count (padding-free passes run only these; None: every row at new_tokens)
+    completion_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.scorer, dict):  # from asdict(), as a report stores the settings
@@ -229,20 +233,24 @@ class Work:
     dtype: str | None = None
 
 
-def _micro_batches(s: StepSettings) -> list[tuple[int, int, int]]:
-    """``(completions b, trunk tokens, attention pairs)`` of each micro-batch's forward."""
+def _micro_batches(s: StepSettings) -> list[tuple[float, float, int]]:
+    """``(head tokens, trunk tokens, attention pairs)`` of each micro-batch's forward. Padding-free passes
+    (``completion_tokens``) run the counted completion tokens through the head, and through the trunk when the prompt
+    is shared, each micro-batch its share of them; attention runs on the padded blocks either way."""
     n = s.prompts * s.generations
     size = s.micro_batch or n
     p, c = s.prompt_length, s.new_tokens
+    counted = 1.0 if s.completion_tokens is None else s.completion_tokens / (n * c)  # [0, 1]
     out = []
     for start in range(0, n, size):
         stop = min(start + size, n)
         b = stop - start
         if s.share_prompt:
             u = len(group_runs(start, stop, s.generations))
-            out.append((b, u * p + b * c, u * p * p + b * c * (p + c)))
+            dropped = b if counted < 1 else 0  # padding-free, the trunk skips each row's last token: it scores nothing
+            out.append((b * c * counted, u * p + b * c * counted - dropped, u * p * p + b * c * (p + c)))
         else:
-            out.append((b, b * (p + c), b * (p + c) ** 2))
+            out.append((b * c * counted, b * (p + c), b * (p + c) ** 2))
     return out
 
 
@@ -268,13 +276,13 @@ def phase_work(m: ModelShape, s: StepSettings) -> dict[str, list[Work]]:
         flops = 2 * rows * (w + ra + hv) + m.attention_flops(rows * keys)
         rollout.append(Work(flops, (w + ra + hv) * rb + rows * keys * rkv + rows * rkv, decode=True, dtype=rd))
 
-    def forward(tokens: int, pairs: int, head_tokens: int, adapters: int) -> Work:
+    def forward(tokens: float, pairs: int, head_tokens: float, adapters: int) -> Work:
         flops = 2 * tokens * (w + adapters) + m.attention_flops(pairs) + 2 * head_tokens * hv
         return Work(flops, (w + adapters + hv) * wb)
 
     micro = _micro_batches(s)
-    reference = [forward(t, q, b * s.new_tokens, 0) for _ in range(s.reference_passes) for b, t, q in micro]
-    policy = [forward(t, q, b * s.new_tokens, a) for b, t, q in micro] * s.iterations
+    reference = [forward(t, q, h, 0) for _ in range(s.reference_passes) for h, t, q in micro]
+    policy = [forward(t, q, h, a) for h, t, q in micro] * s.iterations
     # a checkpointed layer runs its forward again until the backward has every tensor it needs (PyTorch's
     # non-reentrant checkpoint stops early): all but the MLP's down projection, whose output is not one of them;
     # under LoRA that projection runs before its adapter, whose input is needed, so only the last adapter is skipped
@@ -282,8 +290,8 @@ def phase_work(m: ModelShape, s: StepSettings) -> dict[str, list[Work]]:
     skipped = 0 if a else m.hidden * m.intermediate
     redo = s.checkpointed_layers * (w // m.layers - skipped) + share * a  # weights the recomputation multiplies by
     backward = []
-    for i, (b, t, q) in enumerate(micro):
-        trunk, adapt, attn, head = 2 * t * w, 2 * t * a, m.attention_flops(q), 2 * b * s.new_tokens * hv
+    for i, (h, t, q) in enumerate(micro):
+        trunk, adapt, attn, head = 2 * t * w, 2 * t * a, m.attention_flops(q), 2 * h * hv
         flops = (trunk + 2 * adapt + 2 * attn + 2 * head) if a else (2 * trunk + 2 * attn + 3 * head)
         flops += 2 * t * redo + share * attn
         grads = s.trainable * wb * (1 if i == 0 else 2)

@@ -272,6 +272,8 @@ class RefCachedGRPO(RLMethod):
             truncated = completion_mask[:, -1].bool() & ~self._ended_with_eos(completion_ids)  # [B*G]
             if hp.mask_truncated_completions:
                 completion_mask = completion_mask * (~truncated).float()[:, None]
+            if hp.padding_free and not is_fake(completion_mask):  # the tokens the later passes run: the roofline's
+                self.step_shape["completion_tokens"] = int(completion_mask.sum())
             prompt_mask = batch["attention_mask"].repeat_interleave(hp.num_generations, dim=0)  # [B*G, P]
             attention_mask = torch.cat([prompt_mask, torch.ones_like(completion_ids)], dim=1)  # [B*G, P + C]
         metrics.update(
@@ -283,16 +285,11 @@ class RefCachedGRPO(RLMethod):
             }
         )
         rollout = Rollout(
-            input_ids=sequences,
-            attention_mask=attention_mask,
-            completion_mask=completion_mask,
-            prompt_length=prompt_length,
-            rewards=rewards,
-            advantages=torch.zeros_like(rewards),
-            completions=completions,
+            input_ids=sequences, attention_mask=attention_mask, completion_mask=completion_mask,
+            prompt_length=prompt_length, rewards=rewards, advantages=torch.zeros_like(rewards), completions=completions,
             sampler_logp=sampler_logp,  # the trainer's own, for the gap and the correction, come with the update
             trainer_logp=None if sampler_logp is None else torch.zeros_like(sampler_logp),
-        )
+        )  # fmt: skip
         if hp.micro_batch_tokens is not None:  # micro-batches by tokens: groups sorted, each pass cut to its longest
             rollout.row_tokens = row_tokens(lengths, prompt_length, completion_ids.shape[1])
             rollout.sort_by_length(hp.num_generations)
