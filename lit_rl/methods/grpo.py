@@ -334,13 +334,13 @@ class RefCachedGRPO(RLMethod):
         statistics and skip the LM head, and with ``runs`` the trunk too
         (:func:`~lit_rl.models.shared_prompt.shared_prompt_hidden`). Fake tensors (an estimate) run every token.
         """
+        counted = keep.bool() if keep is not None and not is_fake(keep) and not keep.bool().all() else None
         if runs is None:
             hidden = trunk_hidden(model, input_ids, attention_mask)[:, prompt_length - 1 : -1]  # [B, C, H]
         else:
-            hidden = shared_prompt_hidden(model, input_ids, attention_mask, prompt_length, runs, keep)  # [B, C, H]
+            hidden = shared_prompt_hidden(model, input_ids, attention_mask, prompt_length, runs, counted)  # [B, C, H]
         targets = input_ids[:, prompt_length:]  # [B, C]
         head = head_spec(model)  # weight, bias, logit scale, softcap and pre-head transform of this architecture
-        counted = keep.bool() if keep is not None and not is_fake(keep) and not keep.bool().all() else None
         if counted is not None:  # padding-free: the head reads the counted positions only, [1, n, H]
             hidden, targets = hidden[counted][None], targets[counted][None]
         stats = token_stats(head.features(hidden), head.weight, targets, temperature=temperature, chunk_size=chunk_size,
@@ -421,7 +421,8 @@ class RefCachedGRPO(RLMethod):
     def _stats(self, model, rollout: Rollout, sl: slice, **kw) -> TokenStats:
         # rollout rows are groups of num_generations consecutive completions of one prompt
         runs = group_runs(sl.start, sl.stop, self.hparams.num_generations) if self.share_prompt else None
-        end, width = rollout.prompt_length + rollout.width(sl), rollout.width(sl)
+        width = rollout.width(sl)
+        end = rollout.prompt_length + width
         keep = rollout.completion_mask[sl, :width] if self.hparams.padding_free else None
         return self.completion_stats(model, rollout.input_ids[sl, :end], rollout.attention_mask[sl, :end],
                                      rollout.prompt_length, temperature=self.hparams.temperature,
