@@ -409,14 +409,17 @@ class RefCachedGRPO(RLMethod):
         self, model, rollout: Rollout, *, self_certainty: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs ``[B*G, C]`` (and per-token self-certainty) in micro-batches, without gradient."""
-        logps, certainties = [], []
-        pad = rollout.completion_mask.shape[1]  # a micro-batch cut to its longest completion is padded back
+        # each micro-batch writes its rows of one output (zeros past a micro-batch cut to its longest completion)
+        logps = certainties = None
         for sl in self.micro_batches(len(rollout), rollout.row_tokens):
             stats = self._stats(model, rollout, sl, entropy=False, self_certainty=self_certainty)
-            logps.append(torch.nn.functional.pad(stats.logp, (0, pad - stats.logp.shape[1])))
+            if logps is None:
+                logps = stats.logp.new_zeros(rollout.completion_mask.shape)
+                certainties = torch.zeros_like(logps) if self_certainty else None
+            logps[sl, : stats.logp.shape[1]] = stats.logp
             if self_certainty:
-                certainties.append(torch.nn.functional.pad(stats.self_certainty, (0, pad - stats.logp.shape[1])))
-        return torch.cat(logps), torch.cat(certainties) if self_certainty else None
+                certainties[sl, : stats.logp.shape[1]] = stats.self_certainty
+        return logps, certainties
 
     def _stats(self, model, rollout: Rollout, sl: slice, **kw) -> TokenStats:
         # rollout rows are groups of num_generations consecutive completions of one prompt

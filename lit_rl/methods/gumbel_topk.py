@@ -234,7 +234,16 @@ class GumbelTopK(RLMethod):
         prompt_mask = batch["attention_mask"].repeat_interleave(g, dim=0)  # [B*G, P]
         n = prompt_ids.shape[0]
         tau = self.tau_at(self.global_step)
-        parts: list[tuple[torch.Tensor, SoftRollout]] = []
+        kept: dict[str, torch.Tensor] = {}  # what the step's statistics need, [B*G] or [B*G, C] each
+        widths: list[int] = []
+
+        def keep(sl: slice, **stats: torch.Tensor) -> None:
+            # each micro-batch writes its rows of one tensor per statistic (zeros past a micro-batch whose rows all
+            # stopped early), so nothing else of its rollout outlives its backward
+            for name, t in stats.items():
+                if name not in kept:
+                    kept[name] = t.new_zeros((n, hp.max_new_tokens)[: t.dim()])
+                kept[name][(sl, slice(0, t.shape[-1]))[: t.dim()]] = t
 
         def loss_fn(sl: slice) -> tuple[torch.Tensor, dict[str, float]]:
             with self.phases("generate"):
@@ -245,19 +254,17 @@ class GumbelTopK(RLMethod):
                 # [b] sequence KL; weighted by alive, stopping earlier also saves the KL of the rest
                 kl = rollout.kl.sum(1) if alive is None else (rollout.kl * alive[:, :-1]).sum(1)
                 loss = (hp.beta * kl - reward).sum() / n
-            parts.append((reward.detach(), rollout))
+            keep(sl, reward=reward.detach(), tokens=rollout.tokens, mask=rollout.mask, kl=rollout.kl.detach(),
+                 mass=rollout.topk_mass)  # fmt: skip
+            widths.append(rollout.tokens.shape[1])
             return loss, {}
 
         metrics: dict[str, float] = {}
         # a soft rollout's length is known only as it runs: a token budget takes every row at its longest
         metrics["loss"], _ = self.update(n, loss_fn, [prompt_ids.shape[1] + hp.max_new_tokens] * n)
-        rewards = torch.cat([r for r, _ in parts])  # [B*G]
-        mask = torch.cat([r.mask for _, r in parts])  # [B*G, C]
-        tokens = torch.cat([r.tokens for _, r in parts])  # [B*G, C]
+        rewards, mask, tokens, kl, mass = (kept[k] for k in ("reward", "mask", "tokens", "kl", "mass"))
         # the longest soft rollout of the step sets its memory (a micro-batch stops early when all its rows ended)
-        self.step_shape = {"prompt_length": prompt_ids.shape[1], "new_tokens": max(r.tokens.shape[1] for _, r in parts)}
-        kl = torch.cat([r.kl.detach() for _, r in parts])  # [B*G, C]
-        mass = torch.cat([r.topk_mass for _, r in parts])  # [B*G, C]
+        self.step_shape = {"prompt_length": prompt_ids.shape[1], "new_tokens": max(widths)}
         lengths = mask.sum(1)  # [B*G]
         count = mask.sum().clamp_min(1)
         eos_ids = torch.tensor(self.eos_ids(), device=tokens.device)
