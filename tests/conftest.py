@@ -1,5 +1,5 @@
-"""Shared test helpers: a logger that keeps what was logged, Lightning's log lines, an isolated model cache, and the
-test tiers.
+"""Shared test helpers: a logger that keeps what was logged, Lightning's log lines, an isolated model cache, the
+test tiers, and each pytest-xdist worker's share of the CPU threads.
 
 Tiers (markers registered in pyproject.toml): ``slow`` tests take more than a couple of seconds, ``bench`` tests run a
 ``bench/`` script and ``multiprocess`` tests start several processes; the last two are always also ``slow``, so
@@ -9,10 +9,27 @@ Tiers (markers registered in pyproject.toml): ``slow`` tests take more than a co
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
+import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.loggers import Logger
+
+
+def _share_of_the_cores() -> None:
+    """Under pytest-xdist, each worker and every process it starts get ``cores / workers`` CPU threads (unless the
+    environment sets them): ``-n 2`` on 2 cores otherwise runs two threads per worker, whose waits on each other
+    spin on cores the other worker needs."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers:
+        threads = str(max(1, (os.cpu_count() or 1) // workers))
+        for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            os.environ.setdefault(name, threads)
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+_share_of_the_cores()
 
 
 class CaptureLogger(Logger):
