@@ -14,10 +14,12 @@ from lit_rl.models import LoraSettings
 
 
 def test_the_third_of_a_kind_is_left_out():
-    # 8 prompts x 4 completions in micro-batches of 3: starts 0, 3, 6, ... fall on 4 offsets in a group
+    # 8 prompts x 4 completions in micro-batches of 3: runs of rows sharing a prompt (3), (1, 2), (2, 1), (3), ...
     slices = [slice(i, min(i + 3, 32)) for i in range(0, 32, 3)]
     kept = without_repeats(slices, group=4)
-    assert [sl.start for sl in kept] == [0, 3, 6, 9, 12, 15, 18, 21, 30]  # 24, 27 repeat 0 and 3 a third time
+    assert [sl.start for sl in kept] == [0, 3, 6, 9, 15, 18, 30]  # 12, 21, 24 are a third (3), 27 a third (1, 2)
+    ones = [slice(i, i + 1) for i in range(16)]
+    assert without_repeats(ones, group=8) == ones[:2]  # one row is one run wherever it starts
     assert without_repeats(slices[:2], group=4) == slices[:2]
     aligned = [slice(i, i + 8) for i in range(0, 64, 8)]
     assert without_repeats(aligned, group=8) == aligned[:2]

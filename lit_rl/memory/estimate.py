@@ -397,20 +397,20 @@ SKIP_REPEATS = True  # False: every micro-batch runs (the tests compare the two)
 
 def without_repeats(slices: list[slice], group: int) -> list[slice]:
     """The micro-batches of a step whose memory can differ from one already run. On the estimator's uniform batch
-    (every prompt equally long, every completion at ``max_new_tokens``) a micro-batch's work depends only on its
-    size and where it starts in a prompt's group of ``group`` completions (how many shared prompts it holds). In the
-    update the first of each kind allocates the gradients and the second adds into them, as every later one does;
-    a pass without gradient writes each micro-batch's result into its rows of one output. From the third on they
-    repeat the second byte for byte and are left out: a step of 64 completions in micro-batches of 8 runs 2 of its
-    8, and is predicted in about half the time. The contract this rests on (a loop over ``micro_batches`` keeps
+    (every prompt equally long, every completion at ``max_new_tokens``) a micro-batch's work depends only on how its
+    rows fall into prompts' groups of ``group`` completions. In the update the first of each kind allocates the
+    gradients and the second adds into them, as every later one does; a pass without gradient writes each
+    micro-batch's result into its rows of one output. From the third on they repeat the second byte for byte and
+    are left out: a step of 64 completions in micro-batches of 8 (or of 1) runs 2 of its 8 (or 64). The contract this rests on (a loop over ``micro_batches`` keeps
     nothing per micro-batch but its rows of a preallocated output) is in docs/adding-a-method.md.
     """
-    seen: dict[tuple[int, int], int] = {}
+    seen: dict[tuple[int, ...], int] = {}
     kept = []
-    for sl in slices:
-        key = (sl.stop - sl.start, sl.start % group)
-        seen[key] = seen.get(key, 0) + 1
-        if seen[key] <= 2:
+    for sl in slices:  # a micro-batch's kind: the lengths of its runs of rows that share a prompt
+        cuts = [sl.start, *range((sl.start // group + 1) * group, sl.stop, group), sl.stop]
+        kind = tuple(b - a for a, b in zip(cuts, cuts[1:]))
+        seen[kind] = seen.get(kind, 0) + 1
+        if seen[kind] <= 2:
             kept.append(sl)
     return kept
 
