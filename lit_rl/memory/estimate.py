@@ -78,6 +78,7 @@ from lit_rl.memory.units import GIB, MIB, format_bytes, parse_bytes
 from lit_rl.models import base_model, build_on_meta, checkpointing_refused, enable_activation_checkpointing
 from lit_rl.models.offload import OffloadSavedTensors
 from lit_rl.models.sharding import shard_models
+from lit_rl.models.shared_prompt import group_runs
 
 # ------------------------------------------------------------------------------------------------ estimate
 
@@ -401,14 +402,14 @@ def without_repeats(slices: list[slice], group: int) -> list[slice]:
     rows fall into prompts' groups of ``group`` completions. In the update the first of each kind allocates the
     gradients and the second adds into them, as every later one does; a pass without gradient writes each
     micro-batch's result into its rows of one output. From the third on they repeat the second byte for byte and
-    are left out: a step of 64 completions in micro-batches of 8 (or of 1) runs 2 of its 8 (or 64). The contract this rests on (a loop over ``micro_batches`` keeps
-    nothing per micro-batch but its rows of a preallocated output) is in docs/adding-a-method.md.
+    are left out: a step of 64 completions in micro-batches of 8 (or of 1) runs 2 of its 8 (or 64). The contract
+    this rests on (a loop over ``micro_batches`` keeps nothing per micro-batch but its rows of a preallocated
+    output) is in docs/adding-a-method.md.
     """
     seen: dict[tuple[int, ...], int] = {}
     kept = []
     for sl in slices:  # a micro-batch's kind: the lengths of its runs of rows that share a prompt
-        cuts = [sl.start, *range((sl.start // group + 1) * group, sl.stop, group), sl.stop]
-        kind = tuple(b - a for a, b in zip(cuts, cuts[1:]))
+        kind = tuple(group_runs(sl.start, sl.stop, group))
         seen[kind] = seen.get(kind, 0) + 1
         if seen[kind] <= 2:
             kept.append(sl)
