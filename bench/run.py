@@ -140,12 +140,17 @@ def part_sweeps(args, folder: Path, gpu: bool = False) -> list[str]:
 def saved_sections(text: str, titles: dict[str, str]) -> dict[str, list[str]]:
     """The lines of each part's section (its ``## `` heading up to the next one or the total) in a saved report.
 
-    A section saved before sections named their command gets the file's command (``Command: `...` ``) added to its
-    timing line, so that a kept section still says what produced it.
+    A section saved before sections named their command or machine gets the file's command (``Command: `...` ``)
+    added to its timing line, and the file's machine (``Machine: ...``) where the section was run by the command that
+    wrote the file (the header's last command), else "machine not recorded": a kept section still says what produced
+    it and where, as far as the file knows.
     """
     sections: dict[str, list[str]] = {}
     by_title = {f"## {title}": part for part, title in titles.items()}
     command = next((line.split("`")[1] for line in text.splitlines() if line.startswith("Command: `")), None)
+    machine = next((line.removeprefix("Machine: ").split("; 1-minute")[0].rstrip(" .") for line in text.splitlines()
+                    if line.startswith("Machine: ")), None)  # fmt: skip
+    wrote = next((line.split("`")[-2] for line in text.splitlines() if line.startswith("Regenerate: `")), command)
     current = None
     for line in text.splitlines():
         if line.startswith("## ") or line.startswith("Total:"):
@@ -156,8 +161,18 @@ def saved_sections(text: str, titles: dict[str, str]) -> dict[str, list[str]]:
             continue
         if line.startswith("_") and not line.startswith("_`") and command and len(sections[current]) == 2:
             line = f"_`{command}`: {line[1:]}"
+        if line.startswith("_`") and machine and len(sections[current]) == 2:  # the file's machine ran its command
+            line = with_machine(line, machine if line.split("`")[1] == wrote else "machine not recorded")
         sections[current].append(line)
     return sections
+
+
+def with_machine(line: str, machine: str) -> str:
+    """A section's timing line naming the machine it ran on (the saved file's ``Machine:``), where it names none."""
+    if "CPU cores" in line:
+        return line
+    at = line.index(": ", line.index("`", 2) + 1)  # the first ": " after the command's closing backtick
+    return f"{line[:at]}, {machine}{line[at:]}"
 
 
 def main(argv: list[str] | None = None) -> Path:
@@ -174,7 +189,7 @@ def main(argv: list[str] | None = None) -> Path:
     if kept:
         numbers = ", ".join(TITLES[part].split(".")[0] for part in kept)
         body += [f"Sections {numbers} are kept from this file's earlier run (this command did not rerun them); each "
-                 "section names the command and load it was measured under.", ""]  # fmt: skip
+                 "section names the command, machine and load it was measured under.", ""]  # fmt: skip
     start = time.perf_counter()
     for part in PARTS:
         if part not in args.parts:
@@ -191,8 +206,8 @@ def main(argv: list[str] | None = None) -> Path:
         after = harness.load_average()
         loads += [before, after]
         body += [f"## {TITLES[part]}", "",
-                 f"_`{cmd}` on {time.strftime('%Y-%m-%d')}: {time.perf_counter() - t0:.0f} s; load average "
-                 f"(1 min) {before:.2f} before, {after:.2f} after._", "", *lines, ""]  # fmt: skip
+                 f"_`{cmd}` on {time.strftime('%Y-%m-%d')}, {harness.machine()}: {time.perf_counter() - t0:.0f} s; "
+                 f"load average (1 min) {before:.2f} before, {after:.2f} after._", "", *lines, ""]  # fmt: skip
     malloc = ", ".join(f"{k}={os.environ[k]}" for k in MALLOC_VARS if k in os.environ) or "none set (glibc defaults)"
     title = "Benchmarks" + (" (quick sizes: numbers not meaningful)" if args.quick else "")
     text = [*harness.header_lines(title, "python bench/run.py", this_file=cmd, loads=loads, dists=DISTRIBUTIONS),

@@ -131,14 +131,26 @@ def test_the_roofline_floor_divides_both_sides(tmp_path):
 
 def test_a_partial_rerun_keeps_the_other_sections():
     titles = {"trl": "1. A", "baselines": "2. B"}
-    saved = "\n".join(["# Benchmarks", "", "Command: `python bench/run.py --out bench`", "", "## 1. A", "",
+    saved = "\n".join(["# Benchmarks", "", "Command: `python bench/run.py --out bench`",
+                       "Machine: 2 CPU cores (AMD EPYC; avx2), x86_64; 1-minute load average 1.0-2.0 during the runs.",
+                       "", "## 1. A", "",
                        "_12 s; load average (1 min) 1.00 before, 2.00 after._", "", "old TRL table", "", "## 2. B", "",
                        "_`python bench/run.py --only baselines` on 2026-01-01: 3 s; load ..._", "", "baselines text",
                        "", "Total: 15 s."])  # fmt: skip
     kept = bench_run.saved_sections(saved, titles)
-    assert kept["trl"][2] == "_`python bench/run.py --out bench`: 12 s; load average (1 min) 1.00 before, 2.00 after._"
+    amd = "2 CPU cores (AMD EPYC; avx2), x86_64"  # the file's machine ran the file's command: its section says so
+    assert (
+        kept["trl"][2]
+        == f"_`python bench/run.py --out bench`, {amd}: 12 s; load average (1 min) 1.00 before, 2.00 after._"
+    )
     assert kept["trl"][4] == "old TRL table" and kept["trl"][-1] == ""
-    assert kept["baselines"][2].startswith("_`python bench/run.py --only baselines` on 2026-01-01")
+    # kept from an earlier run than the file's: where it ran is not known
+    assert (
+        kept["baselines"][2]
+        == "_`python bench/run.py --only baselines` on 2026-01-01, machine not recorded: 3 s; load ..._"
+    )
+    # a section that names its machine keeps it
+    assert bench_run.with_machine(kept["trl"][2], "elsewhere") == kept["trl"][2]
     assert kept["baselines"][-2:] == ["baselines text", ""]  # the total is not part of a section
 
 
