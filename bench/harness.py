@@ -187,6 +187,14 @@ def run_measured(
     return Measured(result, usage.ru_maxrss * 1024, wall, (load0, load_average()))
 
 
+def measure_rates(out: str | Path, env: dict[str, str], *flags: str) -> None:
+    """This machine's matmul rates and bandwidth, ``lit-rl rates --out OUT [flags]`` in a child: the file a
+    MemoryProfiler's ``rates`` reads for its roofline. The command goes to stderr first."""
+    cmd = [sys.executable, "-m", "lit_rl", "rates", "--out", str(out), *flags]
+    print(f"+ {shlex.join(cmd)}", file=sys.stderr, flush=True)
+    run_measured(cmd, None, env)
+
+
 def thread_env(threads: int | None, *, code: Path = ROOT) -> dict[str, str]:
     """This process's environment for a child: ``code`` (this checkout, or another commit's, see
     :func:`export_commit`) first on ``PYTHONPATH`` (so a child that runs a script, not ``-m lit_rl`` from the root,

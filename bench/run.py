@@ -147,12 +147,13 @@ def saved_sections(text: str, titles: dict[str, str]) -> dict[str, list[str]]:
     """
     sections: dict[str, list[str]] = {}
     by_title = {f"## {title}": part for part, title in titles.items()}
-    command = next((line.split("`")[1] for line in text.splitlines() if line.startswith("Command: `")), None)
-    machine = next((line.removeprefix("Machine: ").split("; 1-minute")[0].rstrip(" .") for line in text.splitlines()
+    lines = text.splitlines()
+    command = next((line.split("`")[1] for line in lines if line.startswith("Command: `")), None)
+    machine = next((line.removeprefix("Machine: ").split("; 1-minute")[0].rstrip(" .") for line in lines
                     if line.startswith("Machine: ")), None)  # fmt: skip
-    wrote = next((line.split("`")[-2] for line in text.splitlines() if line.startswith("Regenerate: `")), command)
+    wrote = next((line.split("`")[-2] for line in lines if line.startswith("Regenerate: `")), command)
     current = None
-    for line in text.splitlines():
+    for line in lines:
         if line.startswith("## ") or line.startswith("Total:"):
             current = by_title.get(line)
             if current is not None:

