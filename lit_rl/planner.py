@@ -6,7 +6,8 @@ Each candidate is the config with some tactics turned on, predicted by the estim
 fake tensors, :mod:`lit_rl.memory.estimate`) and timed by the roofline (:mod:`lit_rl.memory.roofline`: the step's
 floor at the machine's measured rates, or a rates file's). The tactics:
 
-- kept arithmetic (always searched): smaller update micro-batches, as a token budget (``micro_batch_tokens`` =
+- kept arithmetic (always searched): fewer completions decoded together (``rollout_rows``) when the rollout's own
+  peak (its KV cache) does not fit, the most that fit; smaller update micro-batches, as a token budget (``micro_batch_tokens`` =
   rows x the longest row, so short completions still share a pass) for the methods that pass their rows' lengths,
   else as ``micro_batch_size``; activation checkpointing of every k-th decoder layer (the largest k that fits, as
   :func:`~lit_rl.memory.fit.choose_checkpointing` finds it), or, for a method that refuses checkpointed layers,
@@ -44,9 +45,11 @@ import yaml
 from lit_rl.memory.estimate import Estimate, copy_method, estimate_step
 from lit_rl.memory.fit import checkpointed_layers, layer_count, least_checkpointing
 from lit_rl.memory.machine_rates import load_rates, measure_rates
+from lit_rl.memory.rollout import rollout_shape
 from lit_rl.memory.units import format_bytes
 from lit_rl.memory.work import ModelShape, StepSettings, floor, floor_rates, phase_work
 from lit_rl.models import checkpointing_refused, own_recomputation
+from lit_rl.models.sampling import rollout_chunks
 
 #: tactics that change the numbers a step computes, searched only when ``--allow`` names them
 CHANGES_ARITHMETIC = {
@@ -71,6 +74,7 @@ class Candidate:
     passes: float = 0.0  # micro-batches x (1 + checkpointed share, or 1 recomputing): the order where seconds is None
     overrides: dict[str, Any] = field(default_factory=dict)  # estimate_step keywords
     recomputation: dict[str, Any] = field(default_factory=dict)  # the method's own recomputation, turned on
+    rollout_rows: int | None = None  # completions decoded together, where the plan cuts the rollout
 
     @property
     def peak(self) -> int:
@@ -150,6 +154,10 @@ def plan(
                 plain = _candidate(module, rates, settings, overrides, combo) if (combo or rows < start) else base
                 if plain is not base:
                     add(plain)
+                if rows == start:  # the rollout's own peak, which no update setting lowers: fewer rows decoded at once
+                    plain, cut = _rollout_fitted(module, rates, settings, overrides, combo, plain, device_bytes, add)
+                    changes.update(cut)
+                    overrides.update(cut)
                 if plain.peak <= device_bytes:
                     break  # smaller micro-batches fit too, and are slower
                 if last is not None and last - plain.peak < 0.01 * device_bytes:
@@ -174,6 +182,39 @@ def plan(
     fitting = [c for c in found if c.peak <= device_bytes]
     best = min(fitting, key=_order, default=None)
     return best, found, base
+
+
+def _rollout_fitted(module, rates, settings, overrides, combo, plain: Candidate, device_bytes: int, add):
+    """``plain`` with fewer completions decoded together (``rollout_rows``) when its rollout phase does not fit:
+    ``(the candidate, the override)``, or ``(plain, {})`` when it fits, or the method samples no rollout it can cut.
+
+    The first guess is the most rows at which the rollout's peak, lowered by the KV cache of the rows it leaves out
+    (the part that scales with them, besides smaller per-row tensors), fits; then halves until it fits or one row is
+    left (each an estimate: at 8B and 20K tokens, minutes). One row that does not fit either is kept only if it
+    lowers the rollout's peak by at least 1% of the budget (the combination's smallest peak, for the line a budget
+    nothing meets gets); otherwise weights and state fill the rollout's peak, and the config's rows stay.
+    """
+    shape, e = rollout_shape(module), plain.estimate
+    if shape.rows_option is None or e.phases.get("rollout", 0) <= device_bytes:
+        return plain, {}
+    chunks = rollout_chunks(e.settings["prompts"], e.settings["num_generations"], shape.rows_at_once)
+    start = max(n * r for _, n, r in chunks)  # the rows decoded together now
+    kv = next((c.bytes for c in e.components if c.name.startswith("KV cache")), 0)
+    if start == 1 or not kv:
+        return plain, {}
+    per_row = kv / start
+    rows = max(1, min(start - 1, int(start - (e.phases["rollout"] - device_bytes) / per_row)))
+    while True:
+        cut = {shape.rows_option: rows}
+        candidate = _candidate(module, rates, settings, {**overrides, **cut}, combo)
+        add(candidate)
+        peak = candidate.estimate.phases["rollout"]
+        if peak <= device_bytes:
+            return candidate, cut
+        if rows == 1:
+            lowered = e.phases["rollout"] - peak >= 0.01 * device_bytes
+            return (candidate, cut) if lowered else (plain, {})
+        rows //= 2
 
 
 def _order(c: Candidate) -> tuple:
@@ -220,10 +261,12 @@ def _candidate(module, rates, settings, overrides, combo, every: int = 0, estima
     layers = layer_count(s["config"])
     micro = math.ceil(s["batch"] / max(1, s["micro_batch_size"]))
     own = {k: v for k, v in overrides.items() if k in own_recomputation(module)}  # one more forward of every step
-    passes = micro * (1 + (1 if own else checkpointed_layers(layers, every) / layers))
+    cut = overrides.get(rollout_shape(module).rows_option or "")  # completions decoded together, where the plan cuts
+    chunks = len(rollout_chunks(s["prompts"], s["num_generations"], cut))
+    passes = micro * (1 + (1 if own else checkpointed_layers(layers, every) / layers)) + chunks - 1
     return Candidate(s["micro_batch_size"], every, combo, estimate, _floor_seconds(module, estimate, rates, overrides),
                      passes, {k: v for k, v in keywords.items() if k in overrides or k == "activation_checkpointing"},
-                     own)  # fmt: skip
+                     own, cut)  # fmt: skip
 
 
 def _floor_before(module, base: Candidate, rates: dict[str, Any], overrides: dict[str, Any]) -> float | None:
@@ -407,6 +450,8 @@ def describe(c: Candidate) -> str:
         parts.append(f"micro_batch_tokens {o['micro_batch_tokens']} ({c.rows} row{'s' if c.rows != 1 else ''})")
     elif "micro_batch_size" in o:
         parts.append(f"micro_batch_size {o['micro_batch_size']}")
+    if c.rollout_rows is not None:
+        parts.append(f"rollout_rows {c.rollout_rows}")
     if c.every_n_layers:
         parts.append(f"checkpoint every {c.every_n_layers}")
     parts += [f"{k} {v}" for k, v in c.recomputation.items()]

@@ -266,7 +266,9 @@ def fake_generate(
             unfinished = unfinished & ~torch.isin(sequences[:, -1], eos)
             step_ids = sequences[:, -1:]
             del out, logits, probs
-        record.kv_cache_bytes, record.kv_cache_shape = cache_size(cache)
+        size = cache_size(cache)
+        if size[0] >= record.kv_cache_bytes:  # a rollout decoded in chunks: the largest chunk's
+            record.kv_cache_bytes, record.kv_cache_shape = size
         record.calls += 1
         del bookkeeping
         return sequences

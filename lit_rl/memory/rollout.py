@@ -28,11 +28,17 @@ class RolloutShape:
             method with it set to the length a measured step really generated (``step_shape["new_tokens"]``)
             to predict that step; ``None``: the length is fixed and every step is predicted at
             ``max_new_tokens``.
+        rows_option: the constructor argument that sets how many completions are decoded together
+            (:func:`lit_rl.models.sampling.rollout_chunks`), through which the planner cuts a rollout whose KV cache
+            does not fit; ``None``: the method cannot cut its rollout.
+        rows_at_once: that argument's value (``None``: every completion at once).
     """
 
     completions_per_prompt: int = 1
     max_new_tokens: int = 0
     length_option: str | None = None
+    rows_option: str | None = None
+    rows_at_once: int | None = None
 
     def __post_init__(self) -> None:
         if self.completions_per_prompt < 1 or self.max_new_tokens < 0:
@@ -98,6 +104,8 @@ class StepWork:
             of float32 weights, cast once per rollout); ``None``: the trainer's.
         rollout_merged: a sampled rollout reads LoRA merged into a copy of the weights (one matmul per layer), made
             once per rollout.
+        rollout_rows: a sampled rollout decodes at most this many completions together, in chunks that each read
+            the weights at every token (:func:`lit_rl.models.sampling.rollout_chunks`); ``None``: all at once.
     """
 
     reference_pass: bool = False
@@ -110,6 +118,7 @@ class StepWork:
     differentiable: DifferentiableRollout | None = None
     rollout_dtype: str | None = None
     rollout_merged: bool = False
+    rollout_rows: int | None = None
 
     def __post_init__(self) -> None:
         if self.scoring_passes < 0 or self.iterations < 1:

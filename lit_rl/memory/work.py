@@ -31,6 +31,8 @@ completion, as :class:`~lit_rl.memory.step_prediction.StepShape` reads them):
   text decoding are not counted. A sampler in its own dtype (``StepWork.rollout_dtype``: bfloat16 of float32
   weights) reads weights and cache at that dtype's size, runs at its matmul rate, and first casts the weights once
   (read and written); a merged one (``rollout_merged``) runs no adapter matmul and first writes the merged trunk.
+  A rollout decoded in chunks (``StepWork.rollout_rows``: :func:`~lit_rl.models.sampling.rollout_chunks`) makes
+  the prefill and the ``C`` decode steps once per chunk, over its prompts and rows, each step reading every weight.
 - ``reference``: a no-grad forward over the rollout per scoring pass, per micro-batch: ``u*P + b*C`` trunk tokens
   for ``b`` completions of ``u`` prompts with shared-prompt passes
   (:func:`~lit_rl.models.shared_prompt.group_runs`), ``b*(P + C)`` without, and the head on the ``b*C`` completion
@@ -87,6 +89,7 @@ from typing import Any
 
 from lit_rl.memory.phases import BACKWARD, OPTIMIZER
 from lit_rl.memory.rollout import StepWork
+from lit_rl.models.sampling import rollout_chunks
 from lit_rl.models.shared_prompt import group_runs
 
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}  # bytes per value of the dtypes a step computes in
@@ -186,6 +189,7 @@ class StepSettings:
     # a sampled rollout's own precision (None: the trainer's) and LoRA merged into the weights it reads
     rollout_dtype: str | None = None
     rollout_merged: bool = False
+    rollout_rows: int | None = None  # completions decoded together; None: all B * G
     # the rollout's completion tokens that count (padding-free passes run only these; None: every row at new_tokens)
     completion_tokens: int | None = None
 
@@ -217,6 +221,7 @@ class StepSettings:
             clip=work.clip,
             rollout_dtype=work.rollout_dtype,
             rollout_merged=work.rollout_merged,
+            rollout_rows=work.rollout_rows,
             **extra,
             **shapes,
         )
@@ -259,22 +264,23 @@ def phase_work(m: ModelShape, s: StepSettings) -> dict[str, list[Work]]:
     if s.soft_topk:
         return _differentiable_work(m, s)
     wb, w, a, hv = s.weight_bytes, m.trunk_weights, s.adapters, m.head_weights
-    rows = s.prompts * s.generations
     kv = m.cache_values_per_token * s.cache_bytes  # bytes per cached token
     rd = s.rollout_dtype
     rb = ITEMSIZE[rd] if rd else wb  # the rollout's weights, in its own dtype when it has one
     rollout = _sampler(m, s, rb)
     ra, rkv = (0 if s.rollout_merged else a), (m.cache_values_per_token * rb if rd else kv)
-    prefill_rows = s.prompts if s.share_prompt and s.generations > 1 and s.prompt_length > 1 else rows
     p = s.prompt_length - 1
-    if p > 0:
-        tokens = prefill_rows * p
-        flops = 2 * tokens * (w + ra) + m.attention_flops(prefill_rows * p * p)
-        rollout.append(Work(flops, (w + ra) * rb + tokens * rkv, dtype=rd))
-    for j in range(1, s.new_tokens + 1):
-        keys = s.prompt_length + j - 1
-        flops = 2 * rows * (w + ra + hv) + m.attention_flops(rows * keys)
-        rollout.append(Work(flops, (w + ra + hv) * rb + rows * keys * rkv + rows * rkv, decode=True, dtype=rd))
+    for _, prompts, repeats in rollout_chunks(s.prompts, s.generations, s.rollout_rows):
+        rows = prompts * repeats
+        prefill_rows = prompts if s.share_prompt and repeats > 1 and p > 0 else rows
+        if p > 0:
+            tokens = prefill_rows * p
+            flops = 2 * tokens * (w + ra) + m.attention_flops(prefill_rows * p * p)
+            rollout.append(Work(flops, (w + ra) * rb + tokens * rkv, dtype=rd))
+        for j in range(1, s.new_tokens + 1):
+            keys = s.prompt_length + j - 1
+            flops = 2 * rows * (w + ra + hv) + m.attention_flops(rows * keys)
+            rollout.append(Work(flops, (w + ra + hv) * rb + rows * keys * rkv + rows * rkv, decode=True, dtype=rd))
 
     def forward(tokens: float, pairs: int, head_tokens: float, adapters: int) -> Work:
         flops = 2 * tokens * (w + adapters) + m.attention_flops(pairs) + 2 * head_tokens * hv

@@ -240,10 +240,10 @@ class RLMethod(HeldOutEvaluation, TextAndRewards, StandaloneStep, L.LightningMod
         raise NotImplementedError(f"{type(self).__name__} must implement train_step(batch)")
 
     def rollout_shape(self) -> RolloutShape:
-        """Completions per prompt and their most new tokens: ``num_generations`` and ``max_new_tokens``, or none."""
-        hp = self.hparams
+        """``num_generations``, ``max_new_tokens`` and ``rollout_rows`` where the method has them, or none."""
+        hp, rows = self.hparams, ("rollout_rows", self.hparams.rollout_rows) if "rollout_rows" in self.hparams else ()
         has = "num_generations" in hp and "max_new_tokens" in hp
-        return RolloutShape(hp.num_generations, hp.max_new_tokens, "max_new_tokens") if has else RolloutShape()
+        return RolloutShape(hp.num_generations, hp.max_new_tokens, "max_new_tokens", *rows) if has else RolloutShape()
 
     def step_work(self) -> StepWork:
         """The passes a step makes over its rollout, for the roofline: a reference pass if needed, one update."""

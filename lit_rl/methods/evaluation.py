@@ -172,7 +172,7 @@ class HeldOutEvaluation:
         sequences = sample_completions(
             self.policy, input_ids, attention_mask, self.tokenizer.pad_token_id, eos,
             repeats=n, share_prompt=getattr(self, "share_prompt", False), own_decode=getattr(self, "own_decode", False),
-            **config,
+            rows_at_once=self.hparams.get("rollout_rows"), **config,
         )  # [B*n, P + C]  # fmt: skip
         completion = sequences[:, input_ids.shape[1] :]  # [B*n, C]
         is_eos = torch.isin(completion, torch.tensor(eos, device=completion.device))  # [B*n, C]

@@ -102,6 +102,11 @@ class RefCachedGRPO(RLMethod):
         rollout_draw: ``generate``: the decode loop draws ``generate``'s tokens for the same random state, every
             row to the longest; ``fast``: the same distribution with less work (rows that ended leave the batch,
             one uniform number per token instead of one per vocabulary entry: :func:`lit_rl.models.decode.decode`).
+        rollout_rows: at most this many completions are decoded together, in the rollout and in held-out
+            evaluation (``null``: all ``B * G``). Memory: the KV cache holds one chunk's rows (whole groups, or runs
+            of one group's completions below ``num_generations``: :func:`lit_rl.models.sampling.rollout_chunks`),
+            so a long-context rollout that cannot hold every completion's cache fits; time: every chunk reads the
+            weights at each of its tokens. The same sampler and distribution, other tokens for a seed.
         **kwargs: model, optimizer, micro-batch and metric settings, see :class:`~lit_rl.methods.base.RLMethod`.
 
     Raises:
@@ -135,6 +140,7 @@ class RefCachedGRPO(RLMethod):
         rollout_dtype: Literal["same", "bfloat16"] = "same",
         rollout_lora: Literal["adapters", "merged"] = "adapters",
         rollout_draw: Literal["generate", "fast"] = "generate",
+        rollout_rows: int | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -160,7 +166,8 @@ class RefCachedGRPO(RLMethod):
     def step_work(self) -> StepWork:
         hp = self.hparams  # one more policy pass for the old log-probs (num_iterations > 1), and the sampler's settings
         sampler = dict(rollout_dtype=None if hp.rollout_dtype == "same" else hp.rollout_dtype,
-                       rollout_merged=hp.rollout_lora == "merged" and self.uses_lora)  # fmt: skip
+                       rollout_merged=hp.rollout_lora == "merged" and self.uses_lora,
+                       rollout_rows=hp.rollout_rows)  # fmt: skip
         return replace(super().step_work(), scoring_passes=int(hp.num_iterations > 1), iterations=hp.num_iterations,
                        **sampler)  # fmt: skip
 
@@ -201,8 +208,8 @@ class RefCachedGRPO(RLMethod):
                 f"model.loss.epsilon_high: {self.loss.epsilon_high} under loss_type cispo caps the importance weight "
                 f"itself, so every token would weigh at most {self.loss.epsilon_high}; set it above 1 (ScaleRL uses 5.0)"
             )
-        for name in ("num_iterations", "max_new_tokens"):
-            if hp[name] < 1:
+        for name in ("num_iterations", "max_new_tokens", "rollout_rows"):  # rollout_rows null: every row at once
+            if hp[name] is not None and hp[name] < 1:
                 raise ValueError(f"model.{name}: must be >= 1, got {hp[name]}; set it to 1 or more")
         if not 0 <= hp.min_new_tokens <= hp.max_new_tokens:
             raise ValueError(
@@ -236,6 +243,7 @@ class RefCachedGRPO(RLMethod):
                 repeats=hp.num_generations, share_prompt=self.share_prompt, own_decode=self.own_decode,
                 fast_draw=hp.rollout_draw == "fast", do_sample=True, temperature=hp.temperature, top_p=hp.top_p,
                 top_k=0, max_new_tokens=hp.max_new_tokens, min_new_tokens=hp.min_new_tokens, return_logprobs=True,
+                rows_at_once=hp.rollout_rows,
             )  # [B*G, P + C], [B*G, C]  # fmt: skip
         completion = sequences[:, input_ids.shape[1] :]  # [B*G, C]
         is_eos = torch.isin(completion, torch.tensor(eos, device=completion.device))  # [B*G, C]
@@ -354,35 +362,25 @@ class RefCachedGRPO(RLMethod):
         b, c, mb = s["batch"], s["new_tokens"], s["micro_batch"]
         seq = s["prompt_length"] + c
         tc, vc = plan_chunks(mb * c, s["vocab"], s["hidden"], self.hparams.chunk_size, None, LOGITS_BUDGET_BYTES)
-        full = mb * c * s["vocab"] * 4
         caches = [n for n, on in (("reference", self.needs_reference), ("old", self.hparams.num_iterations > 1)) if on]
-        rows = [
-            (
-                "rollout tensors",
-                f"ids + mask [{b}, {seq}] int64, completion mask [{b}, {c}] fp32",
-                b * seq * 16 + b * c * 4,
-                "",
-            ),
-        ]
+        rollout = f"ids + mask [{b}, {seq}] int64, completion mask [{b}, {c}] fp32"
+        rows = [("rollout tensors", rollout, b * seq * 16 + b * c * 4, "")]
         rows += [
             (f"{name} log-probs cache", f"[{b}, {c}] fp32", b * c * 4, "instead of [B, T, V] logits") for name in caches
         ]
         if self.share_prompt:
             u = max(len(group_runs(sl.start, sl.stop, self.hparams.num_generations)) for sl in self.micro_batches(b))
+            tokens = f"{u} x {s['prompt_length']} + {mb} x {c}"
             rows.append(
-                (
-                    "tokens per pass (shared prompt)",
-                    f"{u} x {s['prompt_length']} + {mb} x {c}",
-                    0,
-                    f"one packed row; {mb} x {seq} with share_prompt false",
-                )
+                ("tokens per pass (shared prompt)", tokens, 0, f"one packed row; {mb} x {seq} with share_prompt false")
             )
+        full = f"[{s['micro_batch']}, {s['new_tokens']}, {s['vocab']}] fp32"
         return rows + [
             ("logits chunk (token math)", f"[{tc}, {vc}] fp32", tc * vc * 4, "about two live at a time"),
             (
                 "full logits (never allocated)",
-                f"[{s['micro_batch']}, {s['new_tokens']}, {s['vocab']}] fp32",
                 full,
+                mb * c * s["vocab"] * 4,
                 "what a logits-based loss would hold per micro-batch",
             ),
         ]

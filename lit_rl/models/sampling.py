@@ -37,6 +37,7 @@ def sample_completions(
     own_decode: bool | str = False,
     return_logprobs: bool = False,
     fast_draw: bool = False,
+    rows_at_once: int | None = None,
     **config: Any,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
     """Complete each prompt ``repeats`` times in eval mode with a fresh ``GenerationConfig(**config)``:
@@ -58,7 +59,32 @@ def sample_completions(
     ``fast_draw``: the own loop drops rows as they end and draws each token from one uniform number
     (:func:`lit_rl.models.decode.decode`'s ``drop_ended`` and ``draw="inverse_cdf"``): the same distribution,
     not ``generate``'s tokens for a seed. No effect on the compiled step or ``generate``.
+
+    ``rows_at_once``: at most this many completions are decoded together (``None``: all ``B * repeats``). The rows
+    are cut into chunks (:func:`rollout_chunks`), each completed by its own call, so the KV cache and the decode's
+    per-row tensors hold one chunk's rows while the others wait; the chunks are padded with ``pad_id`` (log-probs
+    with 0) to the longest. Each chunk draws from the random stream after the one before, so a seed gives other
+    tokens than one call would (from the same distribution); with ``share_prompt`` each chunk prefills its prompt
+    once, so a prompt cut into ``k`` chunks is prefilled ``k`` times.
     """
+    chunks = rollout_chunks(input_ids.shape[0], repeats, rows_at_once)
+    if len(chunks) > 1:
+        chunk = dict(share_prompt=share_prompt, own_decode=own_decode, return_logprobs=True, fast_draw=fast_draw)
+        parts = [
+            sample_completions(
+                policy, input_ids[i : i + n], attention_mask[i : i + n], pad_id, eos, repeats=r, **chunk, **config
+            )
+            for i, n, r in chunks
+        ]
+        width = max(seq.shape[1] for seq, _ in parts)
+        sequences = torch.cat([pad_right(seq, width, pad_id) for seq, _ in parts])  # [B * repeats, P + C]
+        if not return_logprobs:
+            return sequences
+        logprobs = [lp for _, lp in parts]
+        if any(lp is None for lp in logprobs):
+            return sequences, None
+        new = width - input_ids.shape[1]
+        return sequences, torch.cat([pad_right(lp, new, 0.0) for lp in logprobs])  # [B * repeats, C]
     config = GenerationConfig(pad_token_id=pad_id, eos_token_id=eos, use_cache=True, **config)
     settings = None
     if own_decode and weights_are_real(policy):
@@ -90,6 +116,32 @@ def sample_completions(
         return sequences, sequences.new_zeros((sequences.shape[0], width), dtype=torch.float32) if standing_in else None
     finally:
         policy.train(was_training)
+
+
+def rollout_chunks(prompts: int, repeats: int, rows: int | None) -> list[tuple[int, int, int]]:
+    """How :func:`sample_completions` cuts ``prompts x repeats`` completions into chunks of at most ``rows``:
+    ``(first prompt, prompts, completions per prompt)`` per chunk, in row order. At ``rows >= repeats`` a chunk
+    holds whole groups (``rows // repeats`` prompts, all their completions); below, one prompt's completions are cut
+    into runs of ``rows``. ``None`` (or enough rows): one chunk of everything.
+
+    Raises:
+        ValueError: ``rows`` below 1.
+    """
+    if rows is None or rows >= prompts * repeats:
+        return [(0, prompts, repeats)]
+    if rows < 1:
+        raise ValueError(f"rows_at_once: must be >= 1, got {rows}")
+    if rows >= repeats:
+        k = rows // repeats
+        return [(i, min(k, prompts - i), repeats) for i in range(0, prompts, k)]
+    return [(i, 1, min(rows, repeats - j)) for i in range(prompts) for j in range(0, repeats, rows)]
+
+
+def pad_right(t: torch.Tensor, width: int, value: float) -> torch.Tensor:
+    """``t [N, w]`` padded on the right with ``value`` to ``[N, width]`` (itself when ``w == width``)."""
+    if t.shape[1] == width:
+        return t
+    return torch.cat([t, t.new_full((t.shape[0], width - t.shape[1]), value)], dim=1)
 
 
 @contextlib.contextmanager
