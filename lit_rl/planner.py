@@ -7,12 +7,12 @@ fake tensors, :mod:`lit_rl.memory.estimate`) and timed by the roofline (:mod:`li
 floor at the machine's measured rates, or a rates file's). The tactics:
 
 - kept arithmetic (always searched): fewer completions decoded together (``rollout_rows``) when the rollout's own
-  peak (its KV cache) does not fit, the most that fit; smaller update micro-batches, as a token budget (``micro_batch_tokens`` =
-  rows x the longest row, so short completions still share a pass) for the methods that pass their rows' lengths,
-  else as ``micro_batch_size``; activation checkpointing of every k-th decoder layer (the largest k that fits, as
-  :func:`~lit_rl.memory.fit.choose_checkpointing` finds it), or, for a method that refuses checkpointed layers,
-  its own recomputation (``recomputation_settings``: GumbelTopK's ``checkpoint_steps``) at each micro-batch that
-  does not fit without it.
+  peak (its KV cache) does not fit, the most that fit; smaller update micro-batches, as a token budget
+  (``micro_batch_tokens`` = rows x the longest row, so short completions still share a pass) for the methods that
+  pass their rows' lengths, else as ``micro_batch_size``; activation checkpointing of every k-th decoder layer (the
+  largest k that fits, as :func:`~lit_rl.memory.fit.choose_checkpointing` finds it), or, for a method that refuses
+  checkpointed layers, its own recomputation (``recomputation_settings``: GumbelTopK's ``checkpoint_steps``) at each
+  micro-batch that does not fit without it.
 - changed arithmetic (searched only when allowed, marked in the table): ``adamw8bit`` (bitsandbytes' 8-bit AdamW
   moments), ``bf16`` (``trainer.precision: bf16-true``), ``nf4`` (a 4-bit frozen base; LoRA runs only),
   ``reference_bf16`` (the full fine-tuning reference copy in bfloat16).
