@@ -188,11 +188,12 @@ def _rollout_fitted(module, rates, settings, overrides, combo, plain: Candidate,
     """``plain`` with fewer completions decoded together (``rollout_rows``) when its rollout phase does not fit:
     ``(the candidate, the override)``, or ``(plain, {})`` when it fits, or the method samples no rollout it can cut.
 
-    The first guess is the most rows at which the rollout's peak, lowered by the KV cache of the rows it leaves out
-    (the part that scales with them, besides smaller per-row tensors), fits; then halves until it fits or one row is
-    left (each an estimate: at 8B and 20K tokens, minutes). One row that does not fit either is kept only if it
-    lowers the rollout's peak by at least 1% of the budget (the combination's smallest peak, for the line a budget
-    nothing meets gets); otherwise weights and state fill the rollout's peak, and the config's rows stay.
+    Nothing is estimated when the rollout could not fit even if one row's KV cache and decode logits were all that
+    scaled with the rows (within 1% of the budget for smaller per-row tensors): weights and state fill its peak. The
+    first guess is the most rows at which the rollout's peak, lowered by the KV cache of the rows it leaves out,
+    fits; then halves until it fits or one row is left (each an estimate: at 8B and 20K tokens, minutes). One row
+    that does not fit either is kept only if it lowers the rollout's peak by at least 1% of the budget (the
+    combination's smallest peak, for the line a budget nothing meets gets).
     """
     shape, e = rollout_shape(module), plain.estimate
     if shape.rows_option is None or e.phases.get("rollout", 0) <= device_bytes:
@@ -200,7 +201,8 @@ def _rollout_fitted(module, rates, settings, overrides, combo, plain: Candidate,
     chunks = rollout_chunks(e.settings["prompts"], e.settings["num_generations"], shape.rows_at_once)
     start = max(n * r for _, n, r in chunks)  # the rows decoded together now
     kv = next((c.bytes for c in e.components if c.name.startswith("KV cache")), 0)
-    if start == 1 or not kv:
+    logits = next((c.bytes for c in e.components if c.name == "generation logits + probs"), 0)
+    if start == 1 or not kv or e.phases["rollout"] - (kv + logits) * (start - 1) / start > 1.01 * device_bytes:
         return plain, {}
     per_row = kv / start
     rows = max(1, min(start - 1, int(start - (e.phases["rollout"] - device_bytes) / per_row)))
