@@ -256,8 +256,9 @@ def fake_generate(
             if mask is not None:
                 mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=-1)
             logits = out.logits[:, -1].to(copy=True, dtype=torch.float32)  # [B, V]
-            if step == 0 and 2 * logits.untyped_storage().nbytes() >= record.logits_bytes:  # the largest chunk's
-                record.logits_bytes = 2 * logits.untyped_storage().nbytes()  # + probs
+            held = 2 * logits.untyped_storage().nbytes()  # + probs
+            if step == 0 and held >= record.logits_bytes:  # a rollout decoded in chunks: the largest chunk's
+                record.logits_bytes = held
                 record.batch, record.vocab = logits.shape
             probs = torch.softmax(logits, dim=-1)  # [B, V]
             next_tokens = torch.multinomial(probs, num_samples=1).squeeze(1)  # [B]

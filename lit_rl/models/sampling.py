@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from transformers import GenerationConfig
 
 from lit_rl.models.cache_keyword import cache_kwargs
@@ -77,14 +78,14 @@ def sample_completions(
             for i, n, r in chunks
         ]
         width = max(seq.shape[1] for seq, _ in parts)
-        sequences = torch.cat([pad_right(seq, width, pad_id) for seq, _ in parts])  # [B * repeats, P + C]
+        sequences = torch.cat([F.pad(seq, (0, width - seq.shape[1]), value=pad_id) for seq, _ in parts])  # [B*r, P+C]
         if not return_logprobs:
             return sequences
         logprobs = [lp for _, lp in parts]
         if any(lp is None for lp in logprobs):
             return sequences, None
         new = width - input_ids.shape[1]
-        return sequences, torch.cat([pad_right(lp, new, 0.0) for lp in logprobs])  # [B * repeats, C]
+        return sequences, torch.cat([F.pad(lp, (0, new - lp.shape[1]), value=0.0) for lp in logprobs])  # [B*r, C]
     config = GenerationConfig(pad_token_id=pad_id, eos_token_id=eos, use_cache=True, **config)
     settings = None
     if own_decode and weights_are_real(policy):
@@ -135,13 +136,6 @@ def rollout_chunks(prompts: int, repeats: int, rows: int | None) -> list[tuple[i
         k = rows // repeats
         return [(i, min(k, prompts - i), repeats) for i in range(0, prompts, k)]
     return [(i, 1, min(rows, repeats - j)) for i in range(prompts) for j in range(0, repeats, rows)]
-
-
-def pad_right(t: torch.Tensor, width: int, value: float) -> torch.Tensor:
-    """``t [N, w]`` padded on the right with ``value`` to ``[N, width]`` (itself when ``w == width``)."""
-    if t.shape[1] == width:
-        return t
-    return torch.cat([t, t.new_full((t.shape[0], width - t.shape[1]), value)], dim=1)
 
 
 @contextlib.contextmanager
