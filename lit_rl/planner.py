@@ -191,7 +191,7 @@ def _rollout_fitted(module, rates, settings, overrides, combo, plain: Candidate,
     Nothing is estimated when the rollout could not fit even if one row's KV cache and decode logits were all that
     scaled with the rows (within 1% of the budget for smaller per-row tensors): weights and state fill its peak. The
     first guess is the most rows at which the rollout's peak, lowered by the KV cache of the rows it leaves out,
-    fits; then halves until it fits or one row is left (each an estimate: at 8B and 20K tokens, minutes). One row
+    fits; then halves until it fits or one row is left (each a whole estimate). One row
     that does not fit either is kept only if it lowers the rollout's peak by at least 1% of the budget (the
     combination's smallest peak, for the line a budget nothing meets gets).
     """
@@ -249,7 +249,7 @@ def _leanest(module, rates, settings, changes, combo, rows: int, row_tokens: int
     """``combo`` at its smallest setting of the kept-arithmetic tactics: micro-batches of one row and every layer
     checkpointed (or the method's own recomputation). The search assumes, as :func:`least_checkpointing` does, that
     fewer rows and more checkpointing never raise the peak, so a combination whose leanest setting does not fit is
-    skipped after one estimate (at 8B and 20K tokens an estimate takes minutes)."""
+    skipped after one estimate."""
     overrides = {**changes, **(_micro_batch(module, 1, row_tokens) if rows > 1 else {})}
     if not checkpointing_refused(module):
         return _candidate(module, rates, settings, overrides, combo, every=1)

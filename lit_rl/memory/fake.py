@@ -1,12 +1,15 @@
 """What a step on fake tensors needs beyond ``FakeTensorMode``: every substitution the estimator makes, in one place.
 
 The estimator runs a method's own ``training_step`` on fake tensors (shapes, dtypes and devices, no
-storage). Fake tensors cannot do four things a real step does, and each is substituted here, decided
-as the real run would decide it:
+storage). What fake tensors cannot do, or do too slowly, is substituted here, decided as the real run would
+decide it:
 
 - **Reading a value** (``.item()``, ``bool(t)``, ``.tolist()``): every read returns 1 (``True`` for
   booleans). A step's control flow on values (a finite-loss check, a token count) takes the path of a
-  normal step; the numbers themselves never change memory.
+  normal step; the numbers themselves never change memory. ``.tolist()`` answers the whole list at once
+  (torch's own reads each element through the dispatcher: minutes for 8 x 20K completion tokens).
+- **Block loops** of the logits-free token math: only the first, second and last block of each loop run
+  (:func:`lit_rl.ops.token_math.peak_blocks_only`; the same peaks, thousands of blocks fewer at long context).
 - **generate()**: its stopping criteria read values. :func:`fake_generate` runs the prefill and decode
   steps with a ``DynamicCache`` exactly as ``generate`` does (``logits_to_keep=1``, a float32 copy of
   the last logits, softmax, multinomial) and never stops early: every completion runs to
@@ -37,6 +40,7 @@ from lit_rl.models import base_model, cache_kwargs
 from lit_rl.models.cast_once import linear_weights_cast_once
 from lit_rl.models.compiled_decode import static_capacity
 from lit_rl.models.decode import preallocate
+from lit_rl.ops.token_math import peak_blocks_only
 
 # trainer.precision -> (weight dtype or None to keep the loaded one, autocast dtype or None)
 PRECISIONS: dict[str, tuple[torch.dtype | None, torch.dtype | None]] = {
@@ -59,6 +63,32 @@ class _ConstantReads(TorchDispatchMode):
         if func is torch.ops.aten._grouped_mm.default:
             return grouped_mm_result(*args, **(kwargs or {}))
         return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def _constant_lists() -> Iterator[None]:
+    """``FakeTensor.tolist()`` answered as :class:`_ConstantReads` answers each element, in one go."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    original = FakeTensor.tolist
+
+    def tolist(self):
+        if not all(isinstance(d, int) for d in self.shape):  # a symbolic size: torch's own, element by element
+            return original(self)
+        value = True if self.dtype == torch.bool else 1.0 if self.dtype.is_floating_point else 1
+
+        def nest(shape: tuple[int, ...]) -> Any:
+            if len(shape) <= 1:
+                return [value] * shape[0] if shape else value
+            return [nest(shape[1:]) for _ in range(shape[0])]
+
+        return nest(tuple(self.shape))
+
+    FakeTensor.tolist = tolist
+    try:
+        yield
+    finally:
+        FakeTensor.tolist = original
 
 
 def grouped_mm_result(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
@@ -93,7 +123,7 @@ def fake_mode() -> Iterator[Any]:
 
     mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv(allow_scalar_outputs=True))
     try:
-        with mode, _ConstantReads():
+        with mode, _ConstantReads(), _constant_lists(), peak_blocks_only():
             yield mode
     except (ValueError, UnpredictableStep):
         raise

@@ -47,7 +47,7 @@ from torch.autograd.function import once_differentiable
 from lit_rl.ops import token_math
 from lit_rl.ops.gradient_sink import GradientSink
 from lit_rl.ops.head import chain_, check_transform, softcap_slope
-from lit_rl.ops.token_math import block_logits, plan_chunks
+from lit_rl.ops.token_math import block_logits, block_starts, plan_chunks
 
 # float32 [tokens, vocab] blocks alive at once: the two logits blocks and a third (zp - zq, or q)
 _LIVE_BLOCKS = 3
@@ -155,11 +155,11 @@ class _KLFn(torch.autograd.Function):
         a = torch.zeros(n, dtype=cdtype, device=dev)  # sum exp(zp - m_p) * (zp - zq)  [N]
 
         with torch.autocast(dev.type, enabled=False):
-            for v0 in range(0, v, vc):
+            for v0 in block_starts(v, vc):
                 v1 = min(v, v0 + vc)
                 wp, bp = _head_rows(weight_p, bias_p, v0, v1, cdtype)  # [vc, H], [vc]
                 wq, bq = _head_rows(weight_q, bias_q, v0, v1, cdtype)  # [vc, H'], [vc]
-                for t0 in range(0, n, tc):
+                for t0 in block_starts(n, tc):
                     t1 = min(n, t0 + tc)
                     zp = block_logits(hidden_p[t0:t1].to(cdtype), wp, bp, temperature, *head_p)  # [tc, vc]
                     zq = block_logits(hidden_q[t0:t1].to(cdtype), wq, bq, temperature, *head_q)  # [tc, vc]
@@ -203,13 +203,13 @@ class _KLFn(torch.autograd.Function):
         acc_p = _HeadGrads(hidden_p, weight_p, bias_p, needs[0:3], cdtype, sink)
         acc_q = _HeadGrads(hidden_q, weight_q, bias_q, needs[3:6], cdtype)
         with torch.autocast(hidden_p.device.type, enabled=False):
-            for v0 in range(0, v, vc):
+            for v0 in block_starts(v, vc):
                 v1 = min(v, v0 + vc)
                 wp, bp = _head_rows(weight_p, bias_p, v0, v1, cdtype)  # [vc, H], [vc]
                 wq, bq = _head_rows(weight_q, bias_q, v0, v1, cdtype)  # [vc, H'], [vc]
                 acc_p.open(v0, v1, wp)
                 acc_q.open(v0, v1, wq)
-                for t0 in range(0, n, tc):
+                for t0 in block_starts(n, tc):
                     t1 = min(n, t0 + tc)
                     hp, hq = hidden_p[t0:t1].to(cdtype), hidden_q[t0:t1].to(cdtype)  # [tc, H], [tc, H']
                     zp = block_logits(hp, wp, bp, temperature, scale_p, cap_p)  # [tc, vc]
