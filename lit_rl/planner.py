@@ -122,7 +122,8 @@ def plan(
     def add(candidate: Candidate) -> None:
         found.append(candidate)
         if progress:
-            print(f"  estimated {describe(candidate)}: {format_bytes(candidate.peak)}", file=sys.stderr, flush=True)
+            line = f"  estimated {describe(candidate)}: {format_bytes(candidate.peak)}"
+            print(f"{line} ({candidate.estimate.seconds:.0f} s)", file=sys.stderr, flush=True)  # the search's time
 
     add(base)
     choices = [name for name in CHANGES_ARITHMETIC if name in allow]
@@ -142,7 +143,7 @@ def plan(
         for combo in itertools.combinations(choices, count):
             changes = _changes(combo, settings)
             rows = start = base.estimate.settings["micro_batch_size"]
-            last = None
+            last = lean = None  # lean: the leanest setting, once estimated and fitting
             while rows >= 1:  # the config's micro-batch, then halves of it
                 overrides = {**changes, **(_micro_batch(module, rows, prompt_row) if rows < start else {})}
                 fastest = min(
@@ -161,14 +162,18 @@ def plan(
                 if plain.peak <= device_bytes:
                     break  # smaller micro-batches fit too, and are slower
                 if last is not None and last - plain.peak < 0.01 * device_bytes:
+                    if lean is not None:  # the leanest setting fits where halving stopped lowering the peak
+                        add(lean)
                     break  # halving no longer lowers the peak (weights, gradients and state fill it): stop here
                 every, known, recomputed = 0, {}, None
+                leanest = lean if rows == 1 else None  # one row: the leanest setting is this micro-batch's, estimated
                 if not checkpointing_refused(module):
                     every, known = least_checkpointing(
-                        module, device_bytes, {**settings, **overrides}, {0: plain.estimate}
-                    )
+                        module, device_bytes, {**settings, **overrides},
+                        {0: plain.estimate, **({1: leanest.estimate} if leanest else {})},
+                    )  # fmt: skip
                 elif own:  # GumbelTopK recomputes its own steps instead (plain does not fit: it would have broken)
-                    recomputed = _candidate(module, rates, settings, {**overrides, **own}, combo)
+                    recomputed = leanest or _candidate(module, rates, settings, {**overrides, **own}, combo)
                     add(recomputed)
                 if every:
                     add(_candidate(module, rates, settings, overrides, combo, every, known[every]))
@@ -177,7 +182,7 @@ def plan(
                     lean = _leanest(module, rates, settings, changes, combo, rows, prompt_row, own)  # leanest setting
                     if lean.peak > device_bytes:  # does not fit either, no smaller micro-batch will
                         add(lean)  # what this combination reaches at best (an unreachable budget's line names it)
-                        break
+                        break  # (one that fits is a candidate when the search reaches one row: not estimated again)
                 last, rows = plain.peak, rows // 2 if rows > 1 else 0
     fitting = [c for c in found if c.peak <= device_bytes]
     best = min(fitting, key=_order, default=None)

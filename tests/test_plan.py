@@ -7,10 +7,21 @@ from pathlib import Path
 import pytest
 import yaml
 
+from lit_rl import planner
 from lit_rl.cli import estimate_from_args, main
+from lit_rl.memory import fit
 from lit_rl.memory.units import format_bytes
 from lit_rl.methods import RefCachedGRPO
-from lit_rl.planner import _candidate, _floor_before, _micro_batch, describe, plan, plan_fragment, unreachable_line
+from lit_rl.planner import (
+    _candidate,
+    _floor_before,
+    _leanest,
+    _micro_batch,
+    describe,
+    plan,
+    plan_fragment,
+    unreachable_line,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs/grpo_tiny.yaml")
@@ -80,6 +91,25 @@ def test_changed_arithmetic_only_when_allowed(method, tight):
     assert describe(eight).startswith("adamw8bit*")
 
 
+def test_a_budget_only_the_leanest_setting_meets_plans_it_without_estimating_it_twice(method, monkeypatch):
+    base = _candidate(method, RATES, SHAPE, {}, ())
+    rows, row = base.estimate.settings["micro_batch_size"], base.estimate.settings["sequence_length"]
+    lean = _leanest(method, RATES, SHAPE, {}, (), rows, row, {})  # one row per micro-batch, every layer checkpointed
+    estimated = []
+    for module in (planner, fit):  # the planner's own estimates and least_checkpointing's
+        real = module.estimate_step
+
+        def spy(m, _real=real, **kw):
+            estimated.append(repr(sorted(kw.items())))
+            return _real(m, **kw)
+
+        monkeypatch.setattr(module, "estimate_step", spy)
+    best, found, _ = plan(method, lean.peak, rates=RATES, **SHAPE)
+    assert (best.rows, best.every_n_layers) == (1, 1) and best.peak == lean.peak
+    assert rows > 1 and len(estimated) == len(set(estimated))  # the leanest setting was estimated once
+    assert sum((c.rows, c.every_n_layers) == (1, 1) for c in found) == 1
+
+
 def test_an_unreachable_budget_names_the_smallest_peak(method):
     best, found, _ = plan(method, 1024, rates=RATES, **SHAPE)
     assert best is None
@@ -122,8 +152,11 @@ def test_the_written_plan_applies_and_meets_its_budget(tmp_path, capsys):
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        pytest.param(["--device-memory", "1KiB"], "--device-memory 1.00 KiB: no plan fits; the smallest predicted peak",
-                     marks=pytest.mark.slow),  # two estimates and the machine's rates measured: about 15 s
+        pytest.param(
+            ["--device-memory", "1KiB"],
+            "--device-memory 1.00 KiB: no plan fits; the smallest predicted peak",
+            marks=pytest.mark.slow,
+        ),  # two estimates and the machine's rates measured: about 15 s
         ([], "--plan: needs --device-memory"),
         (["--device-memory", "1GiB", "--allow", "fp8"], "--allow: unknown tactic 'fp8'"),
     ],
