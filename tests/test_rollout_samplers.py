@@ -217,9 +217,8 @@ def test_grpo_with_the_fast_and_merged_samplers_logs_the_gap_and_predicts_the_co
         results[arm] = (gap, measured)
         capture_logger.metrics.clear()
     assert results["adapters"][0][0] < 1e-4 and results["fast"][0][0] < 1e-4 and results["merged"][0][0] < 1e-4
-    # the adapters are non-zero: merged weights are another sum order, so the gap moves. Its maximum is a few
-    # float32 ulps either way (equal to the adapters' on some CPUs), its mean is not
-    assert results["merged"][0][1] != results["adapters"][0][1]
+    # the adapters are non-zero: merged weights are another sum order, so the gap may move by a few float32 ulps
+    # (on an AMD EPYC both its maximum and its mean equal the adapters': no assertion that they differ)
     assert results["merged"][1] > results["adapters"][1]  # the merged copy, held through the rollout
     for name, bad, fix in (("rollout_lora", "fused", "adapters or merged"), ("rollout_draw", "gumbel", "generate or fast")):
         with pytest.raises(ValueError, match=f"model.{name}: '{bad}' is not {fix}; use one of them"):
