@@ -58,11 +58,15 @@ class _ConstantReads(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten._local_scalar_dense.default:
-            dtype = args[0].dtype
-            return True if dtype == torch.bool else 1.0 if dtype.is_floating_point else 1
+            return _read_value(args[0].dtype)
         if func is torch.ops.aten._grouped_mm.default:
             return grouped_mm_result(*args, **(kwargs or {}))
         return func(*args, **(kwargs or {}))
+
+
+def _read_value(dtype: torch.dtype) -> bool | float | int:
+    """What every value read of a fake tensor of ``dtype`` returns: 1, ``True`` for booleans."""
+    return True if dtype == torch.bool else 1.0 if dtype.is_floating_point else 1
 
 
 @contextlib.contextmanager
@@ -75,7 +79,7 @@ def _constant_lists() -> Iterator[None]:
     def tolist(self):
         if not all(isinstance(d, int) for d in self.shape):  # a symbolic size: torch's own, element by element
             return original(self)
-        value = True if self.dtype == torch.bool else 1.0 if self.dtype.is_floating_point else 1
+        value = _read_value(self.dtype)
 
         def nest(shape: tuple[int, ...]) -> Any:
             if len(shape) <= 1:

@@ -109,7 +109,7 @@ def peak_blocks_only() -> Iterator[None]:
     Every full block allocates the same temporaries and writes into buffers allocated before the loop; the second
     block is where a block's inputs (the previous weight rows, hidden chunk) are still held while the next are made,
     and the last is the only smaller one. So these three reach every peak the whole loop reaches (a test compares
-    the estimates), in seconds where 8 x 20K tokens against a 152K vocabulary take thousands of blocks.
+    the peaks of both), in seconds where 8 x 20K tokens against a 152K vocabulary take thousands of blocks.
     """
     token = _PEAK_BLOCKS_ONLY.set(True)
     try:
