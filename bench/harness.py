@@ -36,8 +36,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 DISTRIBUTIONS = ("torch", "lightning", "transformers", "peft")
 LOAD_NOTE = (
-    "Wall times and peak RSS depend on the machine and its load (the load average is given); tensor bytes and "
-    "seeded rewards and scores do not."
+    "Wall times and peak RSS depend on the machine and its load (the load average is given); tensor bytes do not. "
+    "Seeded rewards and scores do not depend on the load; in bf16 they can differ between CPU models, whose bf16 "
+    "kernels round differently."
 )
 
 
