@@ -84,6 +84,23 @@ class Arm:
     def values(self, key: str) -> list[float]:
         return [v for _, v in self.series.get(key, [])]
 
+    def eval_steps(self, key: str) -> list[int]:
+        """Optimizer steps done at each evaluation of ``key``: the evaluation before training is logged at step 0,
+        one after step k's update at k - 1."""
+        logged = self.series.get(key, [])
+        return [0] + [s + 1 for s, _ in logged[1:]] if logged else []
+
+    def steps_note(self, key: str, steps: list[int]) -> str:
+        """``" (steps 0, 20, 21)"`` where this run evaluated ``key`` at other steps than ``steps`` (the table's,
+        those of its longest run): a run that its ``max_time`` stopped early, say; else ``""``."""
+        own = self.eval_steps(key)
+        return f" (steps {', '.join(map(str, own))})" if own and own != steps else ""
+
+
+def table_steps(arms: list[Arm], key: str) -> list[int]:
+    """The evaluation steps a table's header names: the longest run's (the first of those as long)."""
+    return max((arm.eval_steps(key) for arm in arms), key=len, default=[])
+
 
 def load_study(name: str) -> dict:
     """The study's YAML as a dict, checked: every arm a list of overrides, every cell of a known kind."""
@@ -118,13 +135,6 @@ def load_hook(study: dict):
 def filled(overrides: list, results: Path) -> list[str]:
     """``overrides`` as strings, ``{results}`` replaced by the results folder (relative to the root when inside it)."""
     return [str(x).replace("{results}", harness.relative(results)) for x in overrides]
-
-
-def eval_steps(arm: Arm, key: str) -> list[int]:
-    """Optimizer steps done at each evaluation of ``key``: the evaluation before training is logged at step 0, one
-    after step k's update at k - 1."""
-    logged = arm.series.get(key, [])
-    return [0] + [s + 1 for s, _ in logged[1:]] if logged else []
 
 
 def _fmt(value: float | None, spec: str, missing: str) -> str:
@@ -190,8 +200,12 @@ def table(study: dict, arms: list[Arm], hook, columns: list[dict] | None = None)
     if not arms:  # every arm run sits in a section
         return []
     columns = columns or study["columns"]
-    steps = sorted({s for arm in arms for s in eval_steps(arm, study.get("eval_key", "val/correct_answer"))})
+    key = study.get("eval_key", "val/correct_answer")
+    steps = table_steps(arms, key)
     cells = {id(c): [cell(c, arm, hook, arms[0]) for arm in arms] for c in columns}
+    for c in columns:  # a run that stopped early says at which steps its values were evaluated
+        if "{eval_steps}" in c["header"]:
+            cells[id(c)] = [x + arm.steps_note(key, steps) if x != "-" else x for x, arm in zip(cells[id(c)], arms)]
     columns = [
         c for c in columns
         if not c.get("optional") or any(x != c.get("missing", "-") for x in cells[id(c)])

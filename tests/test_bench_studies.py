@@ -297,7 +297,15 @@ def test_the_tactics_table_in_the_memory_page_is_the_committed_runs():
         assert rss == f"{row['peak RSS GiB']} ({row['RSS vs none']})", tactic
         assert step == row["step s (vs none)"], tactic
         held_out = next(v for k, v in row.items() if k.startswith("held-out accuracy"))
-        assert [float(x) for x in accuracy.split(" → ")] == [float(x) for x in held_out.split(" → ")], tactic
+        (docs_values, docs_steps), (values, steps) = (_steps_apart(accuracy), _steps_apart(held_out))
+        assert [float(x) for x in docs_values.split(" → ")] == [float(x) for x in values.split(" → ")], tactic
+        assert docs_steps == steps, tactic  # a run stopped early names its steps in both
+
+
+def _steps_apart(cell: str) -> tuple[str, str]:
+    """A held-out cell's values and the ``(steps ...)`` note of a run that stopped early ("" if none)."""
+    values, _, steps = cell.partition(" (steps ")
+    return values, steps
 
 
 def test_a_measured_child_keeps_its_stdout_apart_when_asked(tmp_path):
@@ -315,3 +323,29 @@ def test_a_measured_child_keeps_its_stdout_apart_when_asked(tmp_path):
         with pytest.raises(harness.ChildFailed) as failed:
             harness.run_measured([sys.executable, "-c", child, "3"], None, {}, out, stderr=err)
         assert failed.value.code == 3 and "table" in failed.value.output and "progress" in failed.value.output
+
+
+def test_a_run_stopped_early_names_its_evaluation_steps_in_its_row():
+    """The header names the longest run's evaluation steps; a run its ``max_time`` stopped earlier (evaluated at steps
+    0, 20 and 21) says so in its own cell instead of widening the header to 0, 20, 21, 40, 60."""
+    from bench_loader import load_bench
+
+    full = [(0, 0.65), (19, 0.9), (39, 1.0), (59, 0.95)]  # logged at step k - 1 after step k's update
+    stopped = [(0, 0.7), (19, 0.85), (20, 0.85)]
+    study = {
+        "eval_key": "val/correct_answer",
+        "columns": [
+            {"header": "arm", "cell": "arm"},
+            {"header": "held-out accuracy at steps {eval_steps}", "cell": {"series": "val/correct_answer"}},
+        ],
+    }
+    with load_bench("study.py") as study_py:
+        arms = [
+            study_py.Arm(name, [], [], {}, {"val/correct_answer": series}, Path("."))
+            for name, series in (("full", full), ("stopped", stopped), ("none", []))
+        ]
+        lines = study_py.table(study, arms, hook=None)
+    assert lines[0] == "| arm | held-out accuracy at steps 0, 20, 40, 60 |"
+    assert lines[2] == "| full | 0.650 → 0.900 → 1.000 → 0.950 |"
+    assert lines[3] == "| stopped | 0.700 → 0.850 → 0.850 (steps 0, 20, 21) |"
+    assert lines[4] == "| none | - |"

@@ -58,7 +58,8 @@ cells = {"step": step, "phase_error": phase_error}
 
 
 def _summary(arms: list) -> list[str]:
-    first = arms[0]
+    first, key = arms[0], "val/correct_answer"
+    steps = max((arm.eval_steps(key) for arm in arms), key=len, default=[])  # those the results table's header names
 
     def peak(arm):
         values = arm.values("memory/step/peak_gib")
@@ -71,7 +72,8 @@ def _summary(arms: list) -> list[str]:
     for arm in arms:
         rss, rss0 = arm.record.get("peak_rss", 0) / 2**30, first.record.get("peak_rss", 0) / 2**30
         own = peak(arm)
-        accuracy = " → ".join(f"{v:.2f}" for v in arm.values("val/correct_answer")) or "-"
+        accuracy = " → ".join(f"{v:.2f}" for v in arm.values(key)) or "-"
+        accuracy += arm.steps_note(key, steps) if arm.values(key) else ""
         lines.append(
             f"| {arm.label or arm.name} | {'-' if own is None else f'{own:.3f}'} ({_ratio(own, peak(first))}) | "
             f"{rss:.2f} ({_ratio(rss, rss0)}) | {step(arm)} | {accuracy} |"
