@@ -205,7 +205,7 @@ def table(study: dict, arms: list[Arm], hook, columns: list[dict] | None = None)
     cells = {id(c): [cell(c, arm, hook, arms[0]) for arm in arms] for c in columns}
     for c in columns:  # a run that stopped early says at which steps its values were evaluated
         if "{eval_steps}" in c["header"]:
-            cells[id(c)] = [x + arm.steps_note(key, steps) if x != "-" else x for x, arm in zip(cells[id(c)], arms)]
+            cells[id(c)] = [x + arm.steps_note(key, steps) for x, arm in zip(cells[id(c)], arms)]
     columns = [
         c for c in columns
         if not c.get("optional") or any(x != c.get("missing", "-") for x in cells[id(c)])

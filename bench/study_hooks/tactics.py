@@ -73,7 +73,7 @@ def _summary(arms: list) -> list[str]:
         rss, rss0 = arm.record.get("peak_rss", 0) / 2**30, first.record.get("peak_rss", 0) / 2**30
         own = peak(arm)
         accuracy = " → ".join(f"{v:.2f}" for v in arm.values(key)) or "-"
-        accuracy += arm.steps_note(key, steps) if arm.values(key) else ""
+        accuracy += arm.steps_note(key, steps)
         lines.append(
             f"| {arm.label or arm.name} | {'-' if own is None else f'{own:.3f}'} ({_ratio(own, peak(first))}) | "
             f"{rss:.2f} ({_ratio(rss, rss0)}) | {step(arm)} | {accuracy} |"
