@@ -13,7 +13,8 @@ nothing is downloaded):
   floor set by reading every weight once per token at the device's measured copy bandwidth;
 - **vs TRL**: lit-rl against TRL's ``GRPOTrainer`` on bench/grpo_vs_trl.yaml's work (LoRA, 256 tokens, bf16-mixed) on
   Qwen2.5-0.5B and 1.5B shapes, each side in its own process: step time and the allocator's peaks (TRL and
-  ``datasets`` travel as wheels too);
+  ``datasets`` travel as wheels too); then lit-rl again with the tactics ``lit-rl estimate --plan --allow all``
+  chooses for half of TRL's allocated peak, against the aim of at most half TRL's peak;
 - **tactics** that act only on an accelerator: activation offloading and ``EmptyCache`` on the 1.5B LoRA step
   (peak and step time against the same step without them), and the OOM report: a step given a memory budget below
   its predicted peak (``torch.cuda.set_per_process_memory_fraction``) must fail in a named phase, write a report
@@ -37,6 +38,8 @@ import gc
 import json
 import multiprocessing
 import os
+import re
+import subprocess
 import sys
 import time
 import traceback
@@ -418,16 +421,12 @@ ARMS = {
     "none": lambda: [],
     "ActivationOffloading": lambda: [ActivationOffloading()],
     "EmptyCache": lambda: [EmptyCache(phases="all")],
-    "host_optimizer": None,  # optimizer state in host memory: not built yet, a row that says so
-}
+}  # weights, gradients and AdamW state in host memory (FSDP2's cpu_offload): the fsdp2 part
 
 
 def part_tactics(args, cases, sizes, record) -> None:
     case = cases[sizes.tactic_case]
     for arm in args.arms:
-        if ARMS[arm] is None:
-            record("tactics", "optimizer state in host memory", lambda: {"skipped": "not built in lit-rl yet"})
-            continue
         record("tactics", f"grpo / {case.name} / {arm}",
                lambda a=arm: _tactic_entry(a, ARMS[a](), case, sizes, args))  # fmt: skip
 
@@ -597,7 +596,6 @@ def _model_folder(model: str, root: Path) -> Path:
 def _vs_trl_entry(setup: TrlSetup, args) -> dict:
     """Both sides in fresh processes, one after the other, on the same model folder and the same work."""
     import importlib.util
-    import subprocess
 
     if importlib.util.find_spec("trl") is None:
         return {"skipped": "trl is not installed (pip install 'lit-rl[bench]', or carry its wheel)"}
@@ -608,26 +606,33 @@ def _vs_trl_entry(setup: TrlSetup, args) -> dict:
     env["PYTHONPATH"] = os.pathsep.join([str(harness.ROOT), str(harness.ROOT / "bench"), env.get("PYTHONPATH", "")])
     cuda = torch.cuda.is_available()
     out: dict[str, Any] = {"model": setup.model, "length": setup.length, "steps": steps}
-    for side in ("lit-rl", "trl"):
-        record_file = root / f"{side}_{setup.model.replace(':', '_')}.json"
+    # the work, without the checkpointing the equal-settings side adds (as TRL's gradient_checkpointing): the planner
+    # chooses its own and refuses a config that has it already
+    work = ["--config", "bench/grpo_vs_trl.yaml", "--model.init_args.name_or_path", str(folder),
+            "--trainer.accelerator", "auto", "--model.init_args.max_new_tokens", str(setup.length),
+            "--model.init_args.min_new_tokens", str(setup.length),
+            "--model.init_args.lora.r", "16", "--trainer.precision", "bf16-mixed" if setup.bf16 else "32-true",
+            "--trainer.max_steps", str(steps), "--trainer.default_root_dir", str(root / "runs")]  # fmt: skip
+    for side in ("lit-rl", "trl", "lit-rl planned"):
+        record_file = root / f"{side.replace(' ', '_')}_{setup.model.replace(':', '_')}.json"
+        timer = ["--trainer.callbacks+", "step_timer.StepTimer", "--trainer.callbacks+.out", str(record_file)]
         if side == "lit-rl":
-            command = [sys.executable, "-m", "lit_rl", "fit", "--config", "bench/grpo_vs_trl.yaml",
-                       "--config", "callbacks/activation_checkpointing.yaml",
-                       "--model.init_args.name_or_path", str(folder), "--trainer.accelerator", "auto",
-                       "--model.init_args.max_new_tokens", str(setup.length),
-                       "--model.init_args.min_new_tokens", str(setup.length), "--model.init_args.lora.r", "16",
-                       "--trainer.precision", "bf16-mixed" if setup.bf16 else "32-true",
-                       "--trainer.max_steps", str(steps), "--trainer.default_root_dir", str(root / "runs"),
-                       "--trainer.callbacks+", "step_timer.StepTimer", "--trainer.callbacks+.out", str(record_file)]  # fmt: skip
-        else:
+            command = [sys.executable, "-m", "lit_rl", "fit", *work, "--config", CHECKPOINTING, *timer]
+        elif side == "trl":
             command = [sys.executable, str(harness.ROOT / "bench" / "trl_child.py"), "--model", str(folder),
                        "--length", str(setup.length), "--lora", "--steps", str(steps), "--out", str(record_file),
                        *(["--bf16"] if setup.bf16 else []), *(["--cuda"] if cuda else [])]  # fmt: skip
+        else:
+            plan_file = root / f"plan_{setup.model.replace(':', '_')}.yaml"
+            planned = _plan_for_half_of_trl(out.get("trl", {}), work, plan_file, env)
+            out["plan"] = planned
+            if "plan_file" not in planned:
+                continue
+            command = [sys.executable, "-m", "lit_rl", "fit", *work, "--config", planned["plan_file"], *timer]
         start = time.perf_counter()
         done = subprocess.run(command, cwd=harness.ROOT, env=env, capture_output=True, text=True)
         if done.returncode != 0:
-            tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
-            out[side] = {"error": f"exit {done.returncode}: {tail[0][:300]}"}
+            out[side] = {"error": f"exit {done.returncode}: {_last_line(done)}"}
             continue
         got = json.loads(record_file.read_text())
         later = sorted(got["step_s"][1:] or got["step_s"])
@@ -636,6 +641,37 @@ def _vs_trl_entry(setup: TrlSetup, args) -> dict:
                      "max_reserved_gib": got.get("cuda_max_reserved_bytes", 0) / GIB or None,
                      "peak_rss_gib": got["peak_rss_bytes"] / GIB}  # fmt: skip
     return out
+
+
+CHECKPOINTING = "callbacks/activation_checkpointing.yaml"
+
+
+def _last_line(done) -> str:
+    tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+    return tail[0][:300]
+
+
+def _plan_for_half_of_trl(trl: dict, work: list[str], plan_file: Path, env: dict) -> dict:
+    """``lit-rl estimate --plan`` for half of TRL's peak on the same work, every tactic allowed: the budget is TRL's
+    allocated peak on CUDA; on a CPU, which has no allocator, half its peak RSS (a smoke test: the tiny model's tensors
+    are far below it). The plan's line of the planner's table, its budget, and the plan file to train with."""
+    stat = "max_allocated_gib" if trl.get("max_allocated_gib") else "peak_rss_gib"
+    if not trl.get(stat):
+        return {"skipped": "TRL did not run: no budget to plan for"}
+    budget = trl[stat] / 2
+    command = [sys.executable, "-m", "lit_rl", "estimate", *work, "--device-memory", f"{budget:.4f}GiB",
+               "--allow", "all", "--plan", str(plan_file)]  # fmt: skip
+    done = subprocess.run(command, cwd=harness.ROOT, env=env, capture_output=True, text=True)
+    planned = {"budget_gib": budget, "budget_from": stat}
+    if done.returncode != 0:  # exit 2 when no plan fits: its last line names the smallest peak reached
+        return planned | {"error": f"exit {done.returncode}: {_last_line(done)}"}
+    chosen = next((ln for ln in done.stdout.splitlines() if ln.rstrip().endswith("<- plan")), "")
+    # the planner's row: tactics, then predicted peak, bytes saved, time against the config's, fits
+    row = re.search(r"\s(-?[\d.]+ (?:[KMGT]i)?B)\s+-?[\d.]+ (?:[KMGT]i)?B\s+(\S+)\s+yes\s+<- plan\s*$", chosen)
+    if row is None:
+        return planned | {"error": f"no plan row in the planner's output: {_last_line(done)}"}
+    return planned | {"plan_file": str(plan_file), "plan": chosen[: row.start()].strip(), "predicted": row[1],
+                      "time": row[2]}  # fmt: skip
 
 
 PARTS = {"peaks": part_peaks, "decode": part_decode, "tactics": part_tactics, "oom": part_oom, "vs_trl": part_vs_trl,
@@ -667,6 +703,28 @@ def _step_cells(phases: list[dict]) -> str:
         f"{max((r['allocated_gib'] or 0) for r in phases):.3f} | {max((r['reserved_gib'] or 0) for r in phases):.3f} | "
         f"{_f(max(known) if known else None, '.3f')} | {sum(r['seconds'] or 0 for r in phases):.3f}"
     )
+
+
+def _planned_vs_trl(trl: dict) -> list[str]:
+    """The table of lit-rl trained with the planner's tactics for half of TRL's peak, beside TRL's run."""
+    lines = ["", "### lit-rl planned for half of TRL's peak", "",
+             "`lit-rl estimate --device-memory <half of TRL's allocated peak> --allow all --plan plan.yaml` on the "
+             "same work, then the same fit with `--config plan.yaml` (on a CPU the budget is half TRL's peak RSS: a smoke "
+             "test). Aim: allocated ≤ 0.5x TRL's.", "",
+             "| setup | budget GiB | plan | predicted | planned time | allocated GiB | vs TRL's | step s | vs TRL's |",
+             "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    for key, entry in trl.items():
+        plan, ours, theirs = entry.get("plan", {}), entry.get("lit-rl planned", {}), entry.get("trl", {})
+        if "step_s" not in ours or "step_s" not in theirs:
+            why = plan.get("skipped") or plan.get("error") or ours.get("error") or entry.get("skipped") or "not run"
+            lines.append(f"| {key} | {_f(plan.get('budget_gib'), '.3f')} | {why} | | | | | | |")
+            continue
+        allocated, trl_allocated = ours["max_allocated_gib"], theirs["max_allocated_gib"]
+        ratio = f"{allocated / trl_allocated:.2f}x" if allocated and trl_allocated else "—"
+        lines.append(f"| {key} | {plan['budget_gib']:.3f} | {plan['plan']} | {plan['predicted']} | {plan['time']} | "
+                     f"{_f(allocated, '.3f')} | {ratio} | {ours['step_s']:.3f} | "
+                     f"{ours['step_s'] / theirs['step_s']:.2f}x |")  # fmt: skip
+    return lines
 
 
 def render(results: dict) -> str:
@@ -799,6 +857,7 @@ def render(results: dict) -> str:
                 f"{_f(ours['max_allocated_gib'], '.3f')} | {_f(theirs['max_allocated_gib'], '.3f')} | "
                 f"{_f(ours['max_reserved_gib'], '.3f')} | {_f(theirs['max_reserved_gib'], '.3f')} |"
             )
+        lines += _planned_vs_trl(trl)
     fsdp2 = results.get("fsdp2", {})
     if fsdp2:
         lines += ["", "## FSDP2 in one process against no strategy", "",

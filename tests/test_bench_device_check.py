@@ -64,7 +64,7 @@ def test_decode_tactics_and_oom_report_what_needs_cuda(run):
     assert "phases" in tactics["grpo / tiny LoRA bf16 / none"]
     assert "phases" in tactics["grpo / tiny LoRA bf16 / EmptyCache"]
     assert "GPU" in tactics["grpo / tiny LoRA bf16 / ActivationOffloading"]["error"]  # refused on a CPU, in one line
-    assert tactics["optimizer state in host memory"] == {"skipped": "not built in lit-rl yet"}
+    assert len(tactics) == 3  # host memory for the weights and AdamW state is FSDP2's cpu_offload: the fsdp2 part
     assert results["oom"]["oversized step"] == {"skipped": "needs CUDA (set_per_process_memory_fraction)"}
     assert "## The OOM report" in rendered and "## The sampler against the trainer" in rendered
 
@@ -108,9 +108,19 @@ def test_trl_side_by_side_runs_both_sides(run):
     pytest.importorskip("trl", reason="TRL is not installed: pip install -e '.[dev]' installs it")
     results, _, rendered = run
     entry = results["vs_trl"]["tiny LoRA, 4 tokens, fp32"]
-    for side in ("lit-rl", "trl"):
+    for side in ("lit-rl", "trl", "lit-rl planned"):
         assert entry[side]["step_s"] > 0, (side, entry)
     assert "## lit-rl against TRL's GRPOTrainer, equal work" in rendered
+    # the planner's run: on a CPU its budget is half TRL's peak RSS, far above the tiny model's tensors, so the plan
+    # keeps the config as it is and the fit with the plan file applied trains
+    plan = entry["plan"]
+    assert plan["budget_from"] == "peak_rss_gib" and plan["budget_gib"] == entry["trl"]["peak_rss_gib"] / 2
+    assert plan["plan"] == "the config as it is" and plan["time"] == "1.00x", plan
+    assert "### lit-rl planned for half of TRL's peak" in rendered
+    assert (
+        f"| tiny LoRA, 4 tokens, fp32 | {plan['budget_gib']:.3f} | the config as it is | {plan['predicted']} |"
+        in rendered
+    )
 
 
 def test_predictions_a_stopped_run_missed_are_made_from_its_json(run, tmp_path):
