@@ -709,8 +709,8 @@ def _planned_vs_trl(trl: dict) -> list[str]:
     """The table of lit-rl trained with the planner's tactics for half of TRL's peak, beside TRL's run."""
     lines = ["", "### lit-rl planned for half of TRL's peak", "",
              "`lit-rl estimate --device-memory <half of TRL's allocated peak> --allow all --plan plan.yaml` on the "
-             "same work, then the same fit with `--config plan.yaml` (on a CPU the budget is half TRL's peak RSS: a smoke "
-             "test). Aim: allocated ≤ 0.5x TRL's.", "",
+             "same work, then the same fit with `--config plan.yaml` (on a CPU the budget is half TRL's peak RSS: "
+             "a smoke test). Aim: allocated ≤ 0.5x TRL's.", "",
              "| setup | budget GiB | plan | predicted | planned time | allocated GiB | vs TRL's | step s | vs TRL's |",
              "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
     for key, entry in trl.items():
