@@ -90,11 +90,11 @@ class Arm:
         logged = self.series.get(key, [])
         return [0] + [s + 1 for s, _ in logged[1:]] if logged else []
 
-    def steps_note(self, key: str, steps: list[int]) -> str:
-        """``" (steps 0, 20, 21)"`` where this run evaluated ``key`` at other steps than ``steps`` (the table's,
-        those of its longest run): a run that its ``max_time`` stopped early, say; else ``""``."""
+    def steps_note(self, key: str, arms: list[Arm]) -> str:
+        """``" (steps 0, 20, 21)"`` where this run evaluated ``key`` at other steps than the header of a table of
+        ``arms`` names (:func:`table_steps`): a run that its ``max_time`` stopped early, say; else ``""``."""
         own = self.eval_steps(key)
-        return f" (steps {', '.join(map(str, own))})" if own and own != steps else ""
+        return f" (steps {', '.join(map(str, own))})" if own and own != table_steps(arms, key) else ""
 
 
 def table_steps(arms: list[Arm], key: str) -> list[int]:
@@ -201,16 +201,16 @@ def table(study: dict, arms: list[Arm], hook, columns: list[dict] | None = None)
         return []
     columns = columns or study["columns"]
     key = study.get("eval_key", "val/correct_answer")
-    steps = table_steps(arms, key)
     cells = {id(c): [cell(c, arm, hook, arms[0]) for arm in arms] for c in columns}
     for c in columns:  # a run that stopped early says at which steps its values were evaluated
         if "{eval_steps}" in c["header"]:
-            cells[id(c)] = [x + arm.steps_note(key, steps) for x, arm in zip(cells[id(c)], arms)]
+            cells[id(c)] = [x + arm.steps_note(key, arms) for x, arm in zip(cells[id(c)], arms)]
     columns = [
         c for c in columns
         if not c.get("optional") or any(x != c.get("missing", "-") for x in cells[id(c)])
     ]  # fmt: skip
-    headers = [c["header"].format(eval_steps=", ".join(map(str, steps))) for c in columns]
+    steps = ", ".join(map(str, table_steps(arms, key)))
+    headers = [c["header"].format(eval_steps=steps) for c in columns]
     aligns = ["---:" if c.get("align") == "right" else "---" for c in columns]
     lines = ["| " + " | ".join(headers) + " |", "| " + " | ".join(aligns) + " |"]
     for i in range(len(arms)):

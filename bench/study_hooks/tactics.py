@@ -59,7 +59,6 @@ cells = {"step": step, "phase_error": phase_error}
 
 def _summary(arms: list) -> list[str]:
     first, key = arms[0], "val/correct_answer"
-    steps = max((arm.eval_steps(key) for arm in arms), key=len, default=[])  # those the results table's header names
 
     def peak(arm):
         values = arm.values("memory/step/peak_gib")
@@ -73,7 +72,7 @@ def _summary(arms: list) -> list[str]:
         rss, rss0 = arm.record.get("peak_rss", 0) / 2**30, first.record.get("peak_rss", 0) / 2**30
         own = peak(arm)
         accuracy = " → ".join(f"{v:.2f}" for v in arm.values(key)) or "-"
-        accuracy += arm.steps_note(key, steps)
+        accuracy += arm.steps_note(key, arms)  # as in the results table, whose header names the same steps
         lines.append(
             f"| {arm.label or arm.name} | {'-' if own is None else f'{own:.3f}'} ({_ratio(own, peak(first))}) | "
             f"{rss:.2f} ({_ratio(rss, rss0)}) | {step(arm)} | {accuracy} |"
