@@ -46,7 +46,10 @@ def quiet_lightning() -> None:
     - in sharded runs, torch's deprecation of the ``all_gather`` Lightning calls, and torch's notice that a sharded
       ``last.ckpt`` folder is overwritten (each save of ``save_last`` does that);
     - bitsandbytes' warning, on import (peft imports it for every LoRA run once it is installed), that the optional
-      ``kernels`` package with a faster CPU decode kernel is absent: lit-rl never uses that kernel.
+      ``kernels`` package with a faster CPU decode kernel is absent: lit-rl never uses that kernel;
+    - jsonargparse's (>= 4.53) warning that a tuple default of a parameter without a type hint is written to the
+      run's ``config.yaml`` as a list (bitsandbytes' ``AdamW8bit(betas=(0.9, 0.999))``, which the planner chooses):
+      the optimizer reads a list the same. Its other dump warnings pass.
     """
     logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
     if not any(isinstance(f, _DropLightningNoise) for f in logger.filters):
@@ -58,6 +61,9 @@ def quiet_lightning() -> None:
     # deprecates, and each save of a sharded last.ckpt overwrites the folder, which is what save_last asks for
     warnings.filterwarnings("ignore", message=r"torch\.distributed\.nn\.functional\.all_gather is deprecated")
     warnings.filterwarnings("ignore", message=r"Detected an existing checkpoint in .*, overwriting since")
+    warnings.filterwarnings(
+        "ignore", message=r"\s*Dump of a value that does not round-trip: a tuple is serialized as list"
+    )
     bnb = logging.getLogger("bitsandbytes.backends.cpu.ops")
     if not any(isinstance(f, _DropOptionalKernelNotice) for f in bnb.filters):
         bnb.addFilter(_DropOptionalKernelNotice())
