@@ -38,7 +38,6 @@ import gc
 import json
 import multiprocessing
 import os
-import re
 import subprocess
 import sys
 import time
@@ -665,13 +664,10 @@ def _plan_for_half_of_trl(trl: dict, work: list[str], plan_file: Path, env: dict
     planned = {"budget_gib": budget, "budget_from": stat}
     if done.returncode != 0:  # exit 2 when no plan fits: its last line names the smallest peak reached
         return planned | {"error": f"exit {done.returncode}: {_last_line(done)}"}
-    chosen = next((ln for ln in done.stdout.splitlines() if ln.rstrip().endswith("<- plan")), "")
-    # the planner's row: tactics, then predicted peak, bytes saved, time against the config's, fits
-    row = re.search(r"\s(-?[\d.]+ (?:[KMGT]i)?B)\s+-?[\d.]+ (?:[KMGT]i)?B\s+(\S+)\s+yes\s+<- plan\s*$", chosen)
-    if row is None:
+    chosen = harness.planner_choice(done.stdout)
+    if chosen is None:
         return planned | {"error": f"no plan row in the planner's output: {_last_line(done)}"}
-    return planned | {"plan_file": str(plan_file), "plan": chosen[: row.start()].strip(), "predicted": row[1],
-                      "time": row[2]}  # fmt: skip
+    return planned | {"plan_file": str(plan_file), **chosen}
 
 
 PARTS = {"peaks": part_peaks, "decode": part_decode, "tactics": part_tactics, "oom": part_oom, "vs_trl": part_vs_trl,

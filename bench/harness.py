@@ -14,7 +14,9 @@ runs as ``python -m lit_rl`` from the repository root, so it always runs this ch
 - **a run's logs**: :func:`read_scalar_events`, :func:`read_scalars`, :func:`training_seconds`,
   :func:`median_step_seconds` (TensorBoard);
 - **the results header**: :func:`header_lines` (the command that reproduces the file, the machine, the commit,
-  versions, and the note that times depend on the machine's load while tensor bytes do not).
+  versions, and the note that times depend on the machine's load while tensor bytes do not);
+- **``lit-rl estimate``'s printed tables**: :func:`estimated_step_gib` (the step's predicted tensor peak) and
+  :func:`planner_choice` (the row ``--plan`` chose).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import re
 import shlex
 import statistics
 import subprocess
@@ -334,3 +337,25 @@ def peak_rss_bytes() -> int | None:
     except OSError:
         return None
     return None
+
+
+# ------------------------------------------------------------------------------- lit-rl estimate's printed tables
+_PLAN_ROW = re.compile(r"\s(-?[\d.]+ (?:[KMGT]i)?B)\s+-?[\d.]+ (?:[KMGT]i)?B\s+(\S+)\s+yes\s+<- plan\s*$")
+
+
+def estimated_step_gib(text: str) -> float | None:
+    """The step's predicted tensor peak in GiB: the ``step`` row of ``lit-rl estimate``'s phase table (``step
+    2.7165   2.72 GiB ...``), or None when ``text`` has none."""
+    found = re.search(r"^step\s+(\d+\.\d+)\s", text, re.MULTILINE)
+    return float(found[1]) if found else None
+
+
+def planner_choice(text: str) -> dict[str, str] | None:
+    """The row ``lit-rl estimate --plan`` marks ``<- plan``: ``{"plan": its tactics, "predicted": its predicted
+    peak ("1.52 GiB"), "time": its roofline time against the config's ("1.83x")}``, or None when no row is marked
+    (the planner exits 2 when no tactic fits, its last line naming the smallest peak reached)."""
+    chosen = next((ln for ln in text.splitlines() if ln.rstrip().endswith("<- plan")), "")
+    row = _PLAN_ROW.search(chosen)
+    if row is None:
+        return None
+    return {"plan": chosen[: row.start()].strip(), "predicted": row[1], "time": row[2]}

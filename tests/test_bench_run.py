@@ -129,6 +129,85 @@ def test_the_roofline_floor_divides_both_sides(tmp_path):
     assert vs_trl.step_floor(tmp_path) is None
 
 
+# lit-rl estimate's output, as it prints it (the phase table's last rows and a --plan table), shortened
+ESTIMATE_TAIL = """phase            peak GiB       peak  first step   at the peak
+backward           2.7165   2.72 GiB      1.7143   parameters 1.00 GiB, gradients 405.13 MiB
+optimizer          2.5056   2.51 GiB      2.5056   parameters 1.00 GiB, gradients 513.13 MiB
+step               2.7165   2.72 GiB      2.5056
+"""
+PLAN_TABLE = """plan for 1.56 GiB of tensors (predicted peak, roofline floor at this machine's rates):
+  tactics                                                           peak       saved     time  fits
+  adamw8bit*, bf16*, micro_batch_tokens 768 (4 rows)            1.52 GiB    1.78 GiB   82.71x  yes  <- plan
+  bf16*, reference_bf16*, checkpoint every 1                    1.36 GiB    1.94 GiB   94.07x  yes
+  the config as it is                                           3.30 GiB         0 B    1.00x  no
+"""
+
+
+def test_the_estimates_printed_tables_are_read():
+    import harness
+
+    assert harness.estimated_step_gib(ESTIMATE_TAIL) == 2.7165  # the step row, not a phase's
+    assert harness.estimated_step_gib(ESTIMATE_TAIL.replace("step   ", "steps  ")) is None
+    assert harness.planner_choice(PLAN_TABLE) == {
+        "plan": "adamw8bit*, bf16*, micro_batch_tokens 768 (4 rows)",
+        "predicted": "1.52 GiB",
+        "time": "82.71x",
+    }
+    assert harness.planner_choice(PLAN_TABLE.replace("  <- plan", "")) is None  # exit 2: nothing fits
+
+
+def test_the_planned_budget_leaves_room_for_what_is_not_tensors():
+    # TRL 4 GiB: half is 2; lit-rl's process held 3.2 GiB with 2.7 of tensors, so 0.5 GiB beside them
+    assert vs_trl.tensor_budget(4 * 2**30, 3.2 * 2**30, 2.7 * 2**30) == pytest.approx(1.5 * 2**30)
+    assert all(s.plan == (i < 2) for i, s in enumerate(vs_trl.SETUPS))  # full FT 64 and LoRA 256, float32
+    for s in vs_trl.SETUPS[:2]:
+        planned = s.lit_rl_args(planned=True)
+        assert "callbacks/activation_checkpointing.yaml" not in planned  # the planner refuses it: it chooses its own
+        full = s.lit_rl_args()
+        at = full.index(vs_trl.CHECKPOINTING)
+        assert planned == full[: at - 1] + full[at + 1 :]  # the same work, only the callback's --config pair gone
+
+
+def test_the_planned_side_runs_after_the_pairs_of_its_setup(monkeypatch, tmp_path):
+    calls, gib = [], 2**30
+    rss = {"lit-rl": 3 * gib, "TRL": 4 * gib, vs_trl.PLANNED: 1.9 * gib}
+
+    def fake_child(setup, side, rnd, steps, log=print, rates=vs_trl.RATES, plan=None):
+        calls.append((setup.name, side, rnd, plan))
+        return vs_trl.Run(side, setup.name, rnd, [9.0, 2.0 if side != "TRL" else 4.0], rss[side], 10.0)
+
+    def fake_plan(c, plan_file, rates, log=print):
+        assert [r.side for r in c.runs] == ["lit-rl", "TRL"] * 2  # both rounds of this setup first
+        return vs_trl.Planned(1.5, 2.5, {"plan": "adamw8bit*", "predicted": "1.40 GiB", "time": "1.20x"}, "p.yaml")
+
+    monkeypatch.setattr(vs_trl, "run_child", fake_child)
+    monkeypatch.setattr(vs_trl, "plan_for_half_of_trl", fake_plan)
+    one, three = vs_trl.SETUPS[0], vs_trl.SETUPS[2]
+    comparisons = vs_trl.run((one, three), rounds=2, steps=2, log=lambda _: None, plans=tmp_path)
+    assert [c[1] for c in calls] == ["lit-rl", "TRL"] * 2 + [vs_trl.PLANNED] * 2 + ["lit-rl", "TRL"] * 2
+    assert [c[3] for c in calls if c[1] == vs_trl.PLANNED] == ["p.yaml", "p.yaml"]
+    assert comparisons[1].planned is None  # not a plan setup
+    lines = vs_trl.tables(comparisons)
+    (row,) = [ln for ln in lines if ln.startswith(f"| {one.name} | 0.50 | 1.50 | adamw8bit*")]
+    # 1.9 / 4 = 0.475 of TRL's peak RSS: met; 2 s against TRL's 4 s
+    assert row.endswith("| 1.90 | 4.00 | 0.47 | met | 2.0 | 4.0 | 0.50 |"), row
+    assert sum(f"| {vs_trl.PLANNED} |" in ln for ln in lines) == 2  # each planned run in the list of runs
+    # without --plan's folder (--no-plan), no planned side
+    calls.clear()
+    vs_trl.run((one,), rounds=1, steps=2, log=lambda _: None)
+    assert [c[1] for c in calls] == ["lit-rl", "TRL"]
+
+
+def test_a_setup_nothing_was_planned_for_says_why():
+    c = vs_trl.Comparison(vs_trl.SETUPS[0])
+    c.runs += [vs_trl.Run("lit-rl", c.setup.name, 0, [9.0, 2.0], 3 * 2**30, 10.0),
+               vs_trl.Run("TRL", c.setup.name, 0, [9.0, 4.0], 4 * 2**30, 10.0)]  # fmt: skip
+    c.planned = vs_trl.Planned(0.3, 2.5, why="no plan fits in 307.20 MiB: the smallest peak reached is 1.10 GiB")
+    (row,) = [ln for ln in vs_trl.planned_table([c]) if ln.startswith(f"| {c.setup.name} |")]
+    assert "| 0.50 | 0.30 | not planned: no plan fits in 307.20 MiB" in row
+    assert vs_trl.planned_table([vs_trl.Comparison(vs_trl.SETUPS[2])]) == []  # no planned side: no table
+
+
 def test_a_partial_rerun_keeps_the_other_sections():
     titles = {"trl": "1. A", "baselines": "2. B"}
     saved = "\n".join(["# Benchmarks", "", "Command: `python bench/run.py --out bench`",
