@@ -631,7 +631,7 @@ def _vs_trl_entry(setup: TrlSetup, args) -> dict:
         start = time.perf_counter()
         done = subprocess.run(command, cwd=harness.ROOT, env=env, capture_output=True, text=True)
         if done.returncode != 0:
-            out[side] = {"error": f"exit {done.returncode}: {_last_line(done)}"}
+            out[side] = {"error": f"exit {done.returncode}: {harness.last_line(done)}"}
             continue
         got = json.loads(record_file.read_text())
         later = sorted(got["step_s"][1:] or got["step_s"])
@@ -643,11 +643,6 @@ def _vs_trl_entry(setup: TrlSetup, args) -> dict:
 
 
 CHECKPOINTING = "callbacks/activation_checkpointing.yaml"
-
-
-def _last_line(done) -> str:
-    tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
-    return tail[0][:300]
 
 
 def _plan_for_half_of_trl(trl: dict, work: list[str], plan_file: Path, env: dict) -> dict:
@@ -663,10 +658,10 @@ def _plan_for_half_of_trl(trl: dict, work: list[str], plan_file: Path, env: dict
     done = subprocess.run(command, cwd=harness.ROOT, env=env, capture_output=True, text=True)
     planned = {"budget_gib": budget, "budget_from": stat}
     if done.returncode != 0:  # exit 2 when no plan fits: its last line names the smallest peak reached
-        return planned | {"error": f"exit {done.returncode}: {_last_line(done)}"}
+        return planned | {"error": f"exit {done.returncode}: {harness.last_line(done)}"}
     chosen = harness.planner_choice(done.stdout)
     if chosen is None:
-        return planned | {"error": f"no plan row in the planner's output: {_last_line(done)}"}
+        return planned | {"error": f"no plan row in the planner's output: {harness.last_line(done)}"}
     return planned | {"plan_file": str(plan_file), **chosen}
 
 

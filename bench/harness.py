@@ -16,7 +16,7 @@ runs as ``python -m lit_rl`` from the repository root, so it always runs this ch
 - **the results header**: :func:`header_lines` (the command that reproduces the file, the machine, the commit,
   versions, and the note that times depend on the machine's load while tensor bytes do not);
 - **``lit-rl estimate``'s printed tables**: :func:`estimated_step_gib` (the step's predicted tensor peak),
-  :func:`planner_choice` (the row ``--plan`` chose) and :func:`gib_of` (its printed bytes).
+  :func:`planner_choice` (the row ``--plan`` chose), and :func:`last_line` (a child's one-line error).
 """
 
 from __future__ import annotations
@@ -361,7 +361,8 @@ def planner_choice(text: str) -> dict[str, str] | None:
     return {"plan": chosen[: row.start()].strip(), "predicted": row[1], "time": row[2]}
 
 
-def gib_of(text: str) -> float:
-    """``"1.52 GiB"``, ``"307.20 MiB"``, ``"0 B"`` (as lit-rl prints bytes) in GiB."""
-    number, unit = text.split()
-    return float(number) * {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}[unit] / 2**30
+def last_line(done: subprocess.CompletedProcess) -> str:
+    """A finished child's last line of output (stderr if it wrote any, else stdout), at most 300 characters: where
+    ``lit-rl`` puts its one-line error, and the planner the smallest peak it reached."""
+    tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+    return tail[0][:300]

@@ -332,18 +332,15 @@ def _estimate(args: list[str], log) -> subprocess.CompletedProcess:
     return done
 
 
-def _last_line(done: subprocess.CompletedProcess) -> str:
-    lines = (done.stderr or done.stdout).strip().splitlines()
-    return lines[-1][:300] if lines else f"exit {done.returncode}, no output"
-
-
 def plan_for_half_of_trl(c: Comparison, plan_file: Path, rates: str, log=print) -> Planned:
     """The budget (:func:`tensor_budget`, from both sides' median peak RSS and ``lit-rl estimate`` on lit-rl's
     command), then ``lit-rl estimate --device-memory B --allow all --plan`` on the same work without checkpointing."""
     done = _estimate(c.setup.lit_rl_args(), log)
     predicted = harness.estimated_step_gib(done.stdout) if done.returncode == 0 else None
     if predicted is None:
-        return Planned(why=f"the estimate of lit-rl's command failed: {_last_line(done)}")
+        return Planned(
+            why=f"the estimate of lit-rl's command failed: exit {done.returncode}: {harness.last_line(done)}"
+        )
     budget = tensor_budget(c.rss("TRL"), c.rss("lit-rl"), predicted * GIB) / GIB
     if budget <= 0:
         return Planned(budget, predicted, why="lit-rl's process holds more than half TRL's peak RSS beside its tensors")
@@ -351,7 +348,7 @@ def plan_for_half_of_trl(c: Comparison, plan_file: Path, rates: str, log=print) 
                       "--plan", str(plan_file), "--rates", rates], log)  # fmt: skip
     choice = harness.planner_choice(done.stdout) if done.returncode == 0 else None
     if choice is None:  # exit 2: no tactic fits; the last line names the smallest peak reached
-        return Planned(budget, predicted, why=_last_line(done))
+        return Planned(budget, predicted, why=f"exit {done.returncode}: {harness.last_line(done)}")
     return Planned(budget, predicted, choice, str(plan_file))
 
 
@@ -392,6 +389,8 @@ def planned_table(comparisons: list[Comparison]) -> list[str]:
     planned = [c for c in comparisons if c.planned is not None]
     if not planned:
         return []
+    from lit_rl.memory import parse_bytes  # the planner's printed sizes, read back as it reads --device-memory
+
     lines = ["", "### lit-rl planned for half of TRL's peak RSS", "",
              "`lit-rl estimate --device-memory B --allow all --plan plan.yaml` on the same work without the "
              "checkpointing callback, then the fit with `--config plan.yaml`, run after the equal-settings pairs (its "
@@ -415,7 +414,7 @@ def planned_table(comparisons: list[Comparison]) -> list[str]:
         rss, step = c.rss(PLANNED) / c.rss("TRL"), c.step_time(PLANNED) / c.step_time("TRL")
         lines.append(f"| {c.setup.name} | {beside} | {budget} | {p.choice['plan']} | {p.choice['predicted']} "
                      f"| {p.choice['time']} | {gib(c.rss(PLANNED))} "
-                     f"| {c.rss(PLANNED) / GIB - harness.gib_of(p.choice['predicted']):.2f} | {gib(c.rss('TRL'))} | {rss:.2f} "
+                     f"| {c.rss(PLANNED) / GIB - parse_bytes(p.choice['predicted']) / GIB:.2f} | {gib(c.rss('TRL'))} | {rss:.2f} "
                      f"| {verdict(rss, TARGETS['peak RSS'])} | {c.step_time(PLANNED):.1f} | {c.step_time('TRL'):.1f} "
                      f"| {step:.2f} |")  # fmt: skip
     return lines
