@@ -11,7 +11,7 @@ import torch
 from lit_rl.cli import main, parse_fit_config
 from lit_rl.memory.estimate import estimate_step
 from lit_rl.methods import RefCachedGRPO
-from lit_rl.models import build_optimizer
+from lit_rl.models import build_optimizer, optimizers
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs/grpo_tiny.yaml")
@@ -97,3 +97,39 @@ def test_the_estimate_charges_the_8bit_state_that_a_real_step_creates():
     fp32 = next(c for c in adamw.components if c.name.startswith("optimizer state"))
     assert row.bytes < fp32.bytes / 2  # tensors under min_8bit_size keep fp32 moments, the rest 8 bits
     assert eight.phases["optimizer"] < adamw.phases["optimizer"]
+
+
+@pytest.mark.parametrize("name", ["AdamW8bit", "Lion8bit"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_cpu_8bit_step_in_slices_is_bitwise_the_whole_tensors_step(name, dtype, monkeypatch):
+    """Slices of whole 256-value blocks (the last one partial: 70 x 73 values) give bitsandbytes' own step exactly,
+    and no call of its operator sees more than one slice."""
+    bnb_optim = pytest.importorskip("bitsandbytes.optim")
+    monkeypatch.setattr(optimizers, "CPU_8BIT_SLICE", 1024)
+    functional = pytest.importorskip("bitsandbytes.functional")
+    sizes = []
+    update = functional.optimizer_update_8bit_blockwise
+    monkeypatch.setattr(
+        functional, "optimizer_update_8bit_blockwise", lambda *a, **k: sizes.append(a[2].numel()) or update(*a, **k)
+    )
+    torch.manual_seed(0)
+    start = [torch.randn(70, 73).to(dtype), torch.randn(5000).to(dtype), torch.randn(900).to(dtype)]
+    spec = {"class_path": f"bitsandbytes.optim.{name}", "init_args": {"min_8bit_size": 1000}}
+    ours = [torch.nn.Parameter(w.clone()) for w in start]
+    theirs = [torch.nn.Parameter(w.clone()) for w in start]
+    sliced = build_optimizer(spec, ours, lr=1e-2, weight_decay=0.1)
+    whole = getattr(bnb_optim, name)(theirs, lr=1e-2, weight_decay=0.1, min_8bit_size=1000)
+    assert type(sliced).__name__ == name and isinstance(sliced, getattr(bnb_optim, name))
+    for _ in range(3):
+        for a, b in zip(ours, theirs):
+            a.grad = torch.randn_like(a)
+            b.grad = a.grad.clone()
+        sliced.step()
+        whole.step()
+    for a, b, w in zip(ours, theirs, start):
+        assert torch.equal(a, b) and not torch.equal(a, w)
+        for key, value in whole.state[b].items():
+            assert torch.equal(torch.as_tensor(sliced.state[a][key]), torch.as_tensor(value)), key
+    sliced_sizes = [n for n in sizes if n <= 1024]
+    assert max(sizes) == 5110 and sliced_sizes and max(sliced_sizes) == 1024  # the unsliced step saw whole tensors
+    assert sorted(set(sliced_sizes)) == [5000 - 4 * 1024, 5110 - 4 * 1024, 1024]

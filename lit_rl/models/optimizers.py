@@ -15,10 +15,18 @@ update's drift from fp32 AdamW, ``bench/results/optimizer.md``): AdamW keeps two
 bitsandbytes' ``AdamW8bit`` two 8-bit moments with one fp32 scale per 256 values (tensors under
 ``min_8bit_size`` = 4096 values keep fp32 moments), blockwise dynamic quantization (Dettmers et al., "8-bit
 Optimizers via Block-wise Quantization", arXiv 2110.02861).
+
+On a CPU, bitsandbytes (0.50) steps a tensor inside one operator that holds five or six float32 copies of it (both
+moments dequantized, the gradient, the weight, the denominator); tensor accounting cannot see inside an operator,
+so neither ``lit-rl estimate`` nor the profiler's tensor peak would have that scratch. :func:`build_optimizer`
+therefore steps bitsandbytes' 8-bit optimizers on a CPU in slices of :data:`CPU_8BIT_SLICE` values, whole 256-value
+blocks each: every block is quantized on its own, so the result is bitwise the unsliced step's, and the scratch is
+at most six float32 copies of one slice (24 MiB) whatever the tensor. CUDA's step is one fused kernel, left as is.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 from collections.abc import Iterable
@@ -28,6 +36,10 @@ import torch
 
 #: the method options that the optimizer's own arguments of the same meaning take their values from
 METHOD_OPTIONS = {"lr": "learning_rate", "weight_decay": "weight_decay"}
+#: values per slice of a bitsandbytes 8-bit step on a CPU: a multiple of its 256-value quantization blocks
+CPU_8BIT_SLICE = 1 << 20
+#: values per bitsandbytes quantization block of 8-bit optimizer state
+_BLOCK = 256
 
 
 def optimizer_class(class_path: str) -> type[torch.optim.Optimizer]:
@@ -83,7 +95,70 @@ def build_optimizer(
             f"model.weight_decay: {cls.__name__} has no weight decay; set model.init_args.weight_decay 0 "
             "or choose an optimizer that has one"
         )
-    return cls(params, **init_args)
+    return _sliced_on_cpu(cls)(params, **init_args)
 
 
-__all__ = ["METHOD_OPTIONS", "build_optimizer", "optimizer_class"]
+class _SlicedCPUStep:
+    """Mixed in before a bitsandbytes 8-bit optimizer: steps a CPU tensor's blockwise 8-bit state slice by slice.
+
+    What bitsandbytes' own ``update_step`` passes to ``optimizer_update_8bit_blockwise`` for the whole tensor is
+    passed for one :data:`CPU_8BIT_SLICE` of it at a time (views, which the operator updates in place); anything
+    else (CUDA, fp32 state of small tensors, AdEMAMix's stacked state) is bitsandbytes' own step.
+    """
+
+    @torch.no_grad()
+    def update_step(self, group, p, gindex, pindex):
+        state = self.state[p]
+        absmax = state.get("absmax1")
+        if p.device.type != "cpu" or absmax is None or absmax.ndim != 1 or p.numel() <= CPU_8BIT_SLICE:
+            return super().update_step(group, p, gindex, pindex)
+        from bitsandbytes import functional
+
+        p.data = p.data.contiguous()
+        weights, grads = p.data.view(-1), p.grad.contiguous().view(-1)
+        config = self.get_config(gindex, pindex, group)
+        state["step"] += 1
+        betas, two = config["betas"], state.get("absmax2") is not None
+        for start in range(0, weights.numel(), CPU_8BIT_SLICE):
+            values, blocks = (
+                slice(start, start + CPU_8BIT_SLICE),
+                slice(start // _BLOCK, -(-(start + CPU_8BIT_SLICE) // _BLOCK)),
+            )
+            functional.optimizer_update_8bit_blockwise(
+                self.optimizer_name,
+                grads[values],
+                weights[values],
+                state["state1"].view(-1)[values],
+                state["state2"].view(-1)[values] if two else None,
+                betas[0],
+                betas[1],
+                betas[2] if two and len(betas) >= 3 else 0.0,
+                config.get("alpha", 0.0) if two else 0.0,
+                config["eps"],
+                state["step"],
+                config["lr"],
+                state["qmap1"],
+                state["qmap2"] if two else None,
+                absmax[blocks],
+                state["absmax2"][blocks] if two else None,
+                config["weight_decay"],
+                gnorm_scale=1.0,
+                skip_zeros=config["skip_zeros"],
+            )
+        return None
+
+
+@functools.cache
+def _sliced_on_cpu(cls: type[torch.optim.Optimizer]) -> type[torch.optim.Optimizer]:
+    """``cls`` itself, or for a bitsandbytes 8-bit optimizer a subclass of the same name that steps CPU tensors in
+    slices (:class:`_SlicedCPUStep`)."""
+    if not cls.__module__.startswith("bitsandbytes"):
+        return cls
+    from bitsandbytes.optim.optimizer import Optimizer8bit
+
+    if not issubclass(cls, Optimizer8bit):
+        return cls
+    return type(cls.__name__, (_SlicedCPUStep, cls), {"__module__": __name__, "__doc__": cls.__doc__})
+
+
+__all__ = ["CPU_8BIT_SLICE", "METHOD_OPTIONS", "build_optimizer", "optimizer_class"]
