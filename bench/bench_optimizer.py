@@ -17,6 +17,7 @@ what ``--optimizer bitsandbytes.optim.AdamW8bit`` runs (the ``qlora`` extra). Wr
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import json
 import statistics
@@ -25,22 +26,31 @@ import time
 import harness
 import torch
 
-from lit_rl.models import load_causal_lm
+from lit_rl.memory import read_peak_rss, read_rss, reset_peak_rss
+from lit_rl.models import build_optimizer, load_causal_lm
 
-CANDIDATES = {  # name: (import path, keyword arguments)
+CANDIDATES = {  # name: (import path, keyword arguments); lit-rl's rows are built as `lit-rl fit --optimizer` builds
     "torch AdamW (fused, fp32 state)": ("torch.optim.AdamW", {"fused": True}),
-    "bitsandbytes AdamW8bit": ("bitsandbytes.optim.AdamW8bit", {}),
+    "bitsandbytes AdamW8bit, whole tensors": ("bitsandbytes.optim.AdamW8bit", {}),
+    "bitsandbytes AdamW8bit as lit-rl steps it": ("lit-rl:bitsandbytes.optim.AdamW8bit", {}),
     "torchao AdamW8bit": ("torchao.optim.AdamW8bit", {}),
 }
 RESULTS = harness.ROOT / "bench" / "results"
 
 
 def _import(path: str):
+    if path.startswith("lit-rl:"):  # what --optimizer builds: on a CPU, bitsandbytes' 8-bit step in slices
+        spec = {"class_path": path.removeprefix("lit-rl:")}
+        return None if _import(spec["class_path"]) is None else functools.partial(_built, spec)
     module, _, name = path.rpartition(".")
     try:
         return getattr(importlib.import_module(module), name)
     except ImportError:
         return None
+
+
+def _built(spec: dict, params, *, lr: float, weight_decay: float, **kwargs) -> torch.optim.Optimizer:
+    return build_optimizer({**spec, "init_args": kwargs}, params, lr=lr, weight_decay=weight_decay)
 
 
 def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
@@ -60,14 +70,18 @@ def measure(cls, kwargs: dict, start: list[torch.Tensor], steps: int, lr: float)
     params = [torch.nn.Parameter(w.clone()) for w in start]
     optimizer = cls(params, lr=lr, weight_decay=0.0, **kwargs)
     generator = torch.Generator().manual_seed(0)
-    times = []
+    times, scratch = [], []
     for _ in range(steps):
         for p in params:
             p.grad = torch.randn(p.shape, generator=generator) * 1e-3
+        before = read_rss() if reset_peak_rss() else None
         began = time.perf_counter()
         optimizer.step()
         times.append(time.perf_counter() - began)
+        if before is not None:  # what the step held beyond what was resident when it began
+            scratch.append(read_peak_rss("vmhwm") - before)
     return {
+        "step_scratch_bytes": max(scratch[1:]) if len(scratch) > 1 else None,
         "weights": [p.detach() for p in params],
         "state_bytes": _state_bytes(optimizer),
         "first_step_s": times[0],
@@ -111,18 +125,23 @@ def main() -> None:
     lines += [
         f"Model `{model}`, full fine-tuning: {n:,} trained weights, {steps} steps of seeded random gradients (std "
         f"1e-3), lr {args.lr}. Tensor bytes do not depend on the machine; times do. Drift: distance of the weights "
-        "from fp32 AdamW's after the steps, relative to the distance fp32 AdamW moved them.",
+        "from fp32 AdamW's after the steps, relative to the distance fp32 AdamW moved them. Step scratch: the most "
+        "a step after the first raised peak RSS above the RSS it began with (the kernel's high-water mark, reset "
+        "before each step): memory an operator allocates inside, which tensor accounting cannot see; it does not "
+        "depend on load.",
         "",
-        "| optimizer | `--optimizer` | state (MiB) | bytes / weight | first step (s) | step (s, median) | drift |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+        "| optimizer | `--optimizer` | state (MiB) | bytes / weight | step scratch (MiB) | first step (s) "
+        "| step (s, median) | drift |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         if not r["installed"]:
-            lines.append(f"| {r['optimizer']} | `{r['class_path']}` | not installed | | | | |")
+            lines.append(f"| {r['optimizer']} | `{r['class_path']}` | not installed | | | | | |")
             continue
+        scratch = "n/a" if r["step_scratch_bytes"] is None else f"{r['step_scratch_bytes'] / 2**20:.0f}"
         lines.append(
-            f"| {r['optimizer']} | `{r['class_path']}` | {r['state_bytes'] / 2**20:.1f} | {r['bytes_per_weight']:.3f} "
-            f"| {r['first_step_s']:.3f} | {r['step_s']:.3f} | {r['drift']:.4f} |"
+            f"| {r['optimizer']} | `{r['class_path'].removeprefix('lit-rl:')}` | {r['state_bytes'] / 2**20:.1f} "
+            f"| {r['bytes_per_weight']:.3f} | {scratch} | {r['first_step_s']:.3f} | {r['step_s']:.3f} | {r['drift']:.4f} |"
         )
     print("\n".join(lines))
     if not args.quick:
