@@ -100,8 +100,7 @@ def test_the_estimate_charges_the_8bit_state_that_a_real_step_creates():
 
 
 @pytest.mark.parametrize("name", ["AdamW8bit", "Lion8bit"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_cpu_8bit_step_in_slices_is_bitwise_the_whole_tensors_step(name, dtype, monkeypatch):
+def test_a_cpu_8bit_step_in_slices_is_bitwise_the_whole_tensors_step(name, monkeypatch):
     """Slices of whole 256-value blocks (the last one partial: 70 x 73 values) give bitsandbytes' own step exactly,
     and no call of its operator sees more than one slice."""
     bnb_optim = pytest.importorskip("bitsandbytes.optim")
@@ -113,7 +112,7 @@ def test_a_cpu_8bit_step_in_slices_is_bitwise_the_whole_tensors_step(name, dtype
         functional, "optimizer_update_8bit_blockwise", lambda *a, **k: sizes.append(a[2].numel()) or update(*a, **k)
     )
     torch.manual_seed(0)
-    start = [torch.randn(70, 73).to(dtype), torch.randn(5000).to(dtype), torch.randn(900).to(dtype)]
+    start = [torch.randn(70, 73), torch.randn(5000), torch.randn(900)]
     spec = {"class_path": f"bitsandbytes.optim.{name}", "init_args": {"min_8bit_size": 1000}}
     ours = [torch.nn.Parameter(w.clone()) for w in start]
     theirs = [torch.nn.Parameter(w.clone()) for w in start]
@@ -133,3 +132,50 @@ def test_a_cpu_8bit_step_in_slices_is_bitwise_the_whole_tensors_step(name, dtype
     sliced_sizes = [n for n in sizes if n <= 1024]
     assert max(sizes) == 5110 and sliced_sizes and max(sliced_sizes) == 1024  # the unsliced step saw whole tensors
     assert sorted(set(sliced_sizes)) == [5000 - 4 * 1024, 5110 - 4 * 1024, 1024]
+
+
+def test_stochastic_rounding_picks_a_neighbour_with_the_right_odds():
+    """Against float64: every result is one of the two bf16 values around the input (the input itself when it is
+    one), and the mean of many draws is the input, within the sampling error of that mean."""
+    torch.manual_seed(0)
+    x = torch.cat([torch.randn(997) * 10.0 ** torch.randint(-6, 3, (997,)), torch.randn(3).bfloat16().float()])
+    x64 = x.double()
+    draws = torch.stack([optimizers.stochastic_round_bf16(x).double() for _ in range(4000)])
+    down = x.bfloat16().double()  # nearest; the other neighbour is one spacing on the input's side of it
+    spacing = (torch.frexp(x64).exponent - 8).double().exp2()  # bf16 keeps 8 significant bits
+    up = torch.where(down == x64, down, down + torch.sign(x64 - down) * spacing)
+    low, high = torch.minimum(down, up), torch.maximum(down, up)
+    assert bool(((draws == low) | (draws == high)).all())
+    assert bool((draws[:, -3:] == x64[-3:]).all())  # exact bf16 values are kept
+    p = ((x64 - low) / (high - low)).where(high > low, 0.0)  # the odds of rounding up
+    error = (draws.mean(0) - x64).abs()
+    assert bool((error <= 5 * (p * (1 - p) / 4000).sqrt() * (high - low) + 1e-300).all())
+
+
+def test_bf16_weights_keep_learning_under_the_8bit_step_rounded_stochastically():
+    """Updates far below the bf16 spacing: bitsandbytes' own step leaves the bf16 weights where they were, lit-rl's
+    moves them as the float32 weights move on average; the same seeds give the same weights."""
+    pytest.importorskip("bitsandbytes")
+    torch.manual_seed(0)
+    start = torch.randn(3000, 11) * 0.1
+    spec = {"class_path": "bitsandbytes.optim.AdamW8bit"}
+
+    def train(dtype, build):
+        weight = torch.nn.Parameter(start.to(dtype, copy=True))
+        optimizer = build([weight])
+        generator = torch.Generator().manual_seed(1)
+        for _ in range(30):
+            weight.grad = (torch.randn(start.shape, generator=generator) + 2.0).to(dtype)
+            optimizer.step()
+        return weight.detach().double()
+
+    ours = lambda params: build_optimizer(spec, params, lr=1e-5, weight_decay=0.0)  # noqa: E731
+    import bitsandbytes.optim
+
+    theirs = lambda params: bitsandbytes.optim.AdamW8bit(params, lr=1e-5, weight_decay=0.0)  # noqa: E731
+    fp32, rounded, nearest = train(torch.float32, ours), train(torch.bfloat16, ours), train(torch.bfloat16, theirs)
+    moved = (fp32 - start.double()).mean()
+    assert moved < -2e-4  # the gradients' mean is positive: every weight moved down by about 30 x lr
+    assert abs((nearest - start.bfloat16().double()).mean()) < 0.1 * abs(moved)  # rounded away, but near 0
+    assert abs((rounded - start.bfloat16().double()).mean() - moved) < 0.05 * abs(moved)
+    assert torch.equal(rounded, train(torch.bfloat16, ours))

@@ -22,6 +22,14 @@ so neither ``lit-rl estimate`` nor the profiler's tensor peak would have that sc
 therefore steps bitsandbytes' 8-bit optimizers on a CPU in slices of :data:`CPU_8BIT_SLICE` values, whole 256-value
 blocks each: every block is quantized on its own, so the result is bitwise the unsliced step's, and the scratch is
 at most six float32 copies of one slice (24 MiB) whatever the tensor. CUDA's step is one fused kernel, left as is.
+
+bf16 weights (``trainer.precision: bf16-true``) lose every update smaller than half the bf16 spacing of the weight
+they change: at a full fine-tuning learning rate of 1e-5 almost every weight (``docs/memory.md``, bf16 on the CPU).
+For them, on any device, the same sliced step updates a float32 copy of the slice and writes it back with
+stochastic rounding (:func:`stochastic_round_bf16`: up or down with probabilities that make the expected weight
+the float32 one), which keeps bf16 training close to float32 (Zamirai et al., "Revisiting BFloat16 Training",
+arXiv 2010.06192; torchao's 8-bit AdamW offers the same as ``bf16_stochastic_round``). The random bits come from a
+generator seeded by the step, the tensor's place and the slice, so a run and its resume draw the same ones.
 """
 
 from __future__ import annotations
@@ -95,22 +103,35 @@ def build_optimizer(
             f"model.weight_decay: {cls.__name__} has no weight decay; set model.init_args.weight_decay 0 "
             "or choose an optimizer that has one"
         )
-    return _sliced_on_cpu(cls)(params, **init_args)
+    return _sliced(cls)(params, **init_args)
 
 
-class _SlicedCPUStep:
-    """Mixed in before a bitsandbytes 8-bit optimizer: steps a CPU tensor's blockwise 8-bit state slice by slice.
+def stochastic_round_bf16(values: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """bf16 of float32 ``values``, each rounded to one of its two bf16 neighbours with probability given by how near
+    it is to each (so the expected result is ``values``): uniform random low 16 bits are added to the float32 bits,
+    which then lose their low 16 bits (magnitude rounding; the sign bit is untouched)."""
+    noise = torch.randint(0, 1 << 16, values.shape, dtype=torch.int32, device=values.device, generator=generator)
+    return ((values.view(torch.int32) + noise) & -(1 << 16)).view(torch.float32).to(torch.bfloat16)
+
+
+class _SlicedStep:
+    """Mixed in before a bitsandbytes 8-bit optimizer: steps a tensor's blockwise 8-bit state slice by slice.
 
     What bitsandbytes' own ``update_step`` passes to ``optimizer_update_8bit_blockwise`` for the whole tensor is
-    passed for one :data:`CPU_8BIT_SLICE` of it at a time (views, which the operator updates in place); anything
-    else (CUDA, fp32 state of small tensors, AdEMAMix's stacked state) is bitsandbytes' own step.
+    passed for one :data:`CPU_8BIT_SLICE` of it at a time (views, which the operator updates in place), on a CPU,
+    and for bf16 weights on any device, whose slice is stepped as a float32 copy and rounded back stochastically;
+    anything else (float32 weights on CUDA, fp32 state of small tensors, AdEMAMix's stacked state) is bitsandbytes'
+    own step.
     """
 
     @torch.no_grad()
     def update_step(self, group, p, gindex, pindex):
         state = self.state[p]
         absmax = state.get("absmax1")
-        if p.device.type != "cpu" or absmax is None or absmax.ndim != 1 or p.numel() <= CPU_8BIT_SLICE:
+        rounded = p.dtype == torch.bfloat16
+        if absmax is None or absmax.ndim != 1 or not (rounded or p.device.type == "cpu"):
+            return super().update_step(group, p, gindex, pindex)
+        if not rounded and p.numel() <= CPU_8BIT_SLICE:
             return super().update_step(group, p, gindex, pindex)
         from bitsandbytes import functional
 
@@ -124,10 +145,11 @@ class _SlicedCPUStep:
                 slice(start, start + CPU_8BIT_SLICE),
                 slice(start // _BLOCK, -(-(start + CPU_8BIT_SLICE) // _BLOCK)),
             )
-            functional.optimizer_update_8bit_blockwise(
+            stepped = weights[values].float() if rounded else weights[values]
+            functional.optimizer_update_8bit_blockwise(  # weight and gradient of one dtype, as the operator checks
                 self.optimizer_name,
-                grads[values],
-                weights[values],
+                grads[values].float() if rounded else grads[values],
+                stepped,
                 state["state1"].view(-1)[values],
                 state["state2"].view(-1)[values] if two else None,
                 betas[0],
@@ -145,20 +167,24 @@ class _SlicedCPUStep:
                 gnorm_scale=1.0,
                 skip_zeros=config["skip_zeros"],
             )
+            if rounded:
+                seed = hash((gindex, pindex, state["step"], start)) & (2**63 - 1)
+                generator = torch.Generator(device=p.device).manual_seed(seed)
+                weights[values] = stochastic_round_bf16(stepped, generator)
         return None
 
 
 @functools.cache
-def _sliced_on_cpu(cls: type[torch.optim.Optimizer]) -> type[torch.optim.Optimizer]:
-    """``cls`` itself, or for a bitsandbytes 8-bit optimizer a subclass of the same name that steps CPU tensors in
-    slices (:class:`_SlicedCPUStep`)."""
+def _sliced(cls: type[torch.optim.Optimizer]) -> type[torch.optim.Optimizer]:
+    """``cls`` itself, or for a bitsandbytes 8-bit optimizer a subclass of the same name that steps CPU tensors and
+    bf16 weights in slices (:class:`_SlicedStep`)."""
     if not cls.__module__.startswith("bitsandbytes"):
         return cls
     from bitsandbytes.optim.optimizer import Optimizer8bit
 
     if not issubclass(cls, Optimizer8bit):
         return cls
-    return type(cls.__name__, (_SlicedCPUStep, cls), {"__module__": __name__, "__doc__": cls.__doc__})
+    return type(cls.__name__, (_SlicedStep, cls), {"__module__": __name__, "__doc__": cls.__doc__})
 
 
-__all__ = ["CPU_8BIT_SLICE", "METHOD_OPTIONS", "build_optimizer", "optimizer_class"]
+__all__ = ["CPU_8BIT_SLICE", "METHOD_OPTIONS", "build_optimizer", "optimizer_class", "stochastic_round_bf16"]
