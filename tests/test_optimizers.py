@@ -104,7 +104,7 @@ def test_a_cpu_8bit_step_in_slices_is_bitwise_the_whole_tensors_step(name, monke
     """Slices of whole 256-value blocks (the last one partial: 70 x 73 values) give bitsandbytes' own step exactly,
     and no call of its operator sees more than one slice."""
     bnb_optim = pytest.importorskip("bitsandbytes.optim")
-    monkeypatch.setattr(optimizers, "CPU_8BIT_SLICE", 1024)
+    monkeypatch.setattr(optimizers, "SLICE_VALUES", 1024)
     functional = pytest.importorskip("bitsandbytes.functional")
     sizes = []
     update = functional.optimizer_update_8bit_blockwise

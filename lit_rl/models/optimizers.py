@@ -19,7 +19,7 @@ Optimizers via Block-wise Quantization", arXiv 2110.02861).
 On a CPU, bitsandbytes (0.50) steps a tensor inside one operator that holds five or six float32 copies of it (both
 moments dequantized, the gradient, the weight, the denominator); tensor accounting cannot see inside an operator,
 so neither ``lit-rl estimate`` nor the profiler's tensor peak would have that scratch. :func:`build_optimizer`
-therefore steps bitsandbytes' 8-bit optimizers on a CPU in slices of :data:`CPU_8BIT_SLICE` values, whole 256-value
+therefore steps bitsandbytes' 8-bit optimizers on a CPU in slices of :data:`SLICE_VALUES` values, whole 256-value
 blocks each: every block is quantized on its own, so the result is bitwise the unsliced step's, and the scratch is
 at most six float32 copies of one slice (24 MiB) whatever the tensor. CUDA's step is one fused kernel, left as is.
 
@@ -44,8 +44,8 @@ import torch
 
 #: the method options that the optimizer's own arguments of the same meaning take their values from
 METHOD_OPTIONS = {"lr": "learning_rate", "weight_decay": "weight_decay"}
-#: values per slice of a bitsandbytes 8-bit step on a CPU: a multiple of its 256-value quantization blocks
-CPU_8BIT_SLICE = 1 << 20
+#: values per slice of a sliced bitsandbytes 8-bit step (CPU tensors, bf16 weights): whole 256-value blocks
+SLICE_VALUES = 1 << 20
 #: values per bitsandbytes quantization block of 8-bit optimizer state
 _BLOCK = 256
 
@@ -118,7 +118,7 @@ class _SlicedStep:
     """Mixed in before a bitsandbytes 8-bit optimizer: steps a tensor's blockwise 8-bit state slice by slice.
 
     What bitsandbytes' own ``update_step`` passes to ``optimizer_update_8bit_blockwise`` for the whole tensor is
-    passed for one :data:`CPU_8BIT_SLICE` of it at a time (views, which the operator updates in place), on a CPU,
+    passed for one :data:`SLICE_VALUES` of it at a time (views, which the operator updates in place), on a CPU,
     and for bf16 weights on any device, whose slice is stepped as a float32 copy and rounded back stochastically;
     anything else (float32 weights on CUDA, fp32 state of small tensors, AdEMAMix's stacked state) is bitsandbytes'
     own step.
@@ -131,7 +131,7 @@ class _SlicedStep:
         rounded = p.dtype == torch.bfloat16
         if absmax is None or absmax.ndim != 1 or not (rounded or p.device.type == "cpu"):
             return super().update_step(group, p, gindex, pindex)
-        if not rounded and p.numel() <= CPU_8BIT_SLICE:
+        if not rounded and p.numel() <= SLICE_VALUES:
             return super().update_step(group, p, gindex, pindex)
         from bitsandbytes import functional
 
@@ -140,10 +140,10 @@ class _SlicedStep:
         config = self.get_config(gindex, pindex, group)
         state["step"] += 1
         betas, two = config["betas"], state.get("absmax2") is not None
-        for start in range(0, weights.numel(), CPU_8BIT_SLICE):
+        for start in range(0, weights.numel(), SLICE_VALUES):
             values, blocks = (
-                slice(start, start + CPU_8BIT_SLICE),
-                slice(start // _BLOCK, -(-(start + CPU_8BIT_SLICE) // _BLOCK)),
+                slice(start, start + SLICE_VALUES),
+                slice(start // _BLOCK, -(-(start + SLICE_VALUES) // _BLOCK)),
             )
             stepped = weights[values].float() if rounded else weights[values]
             functional.optimizer_update_8bit_blockwise(  # weight and gradient of one dtype, as the operator checks
@@ -187,4 +187,4 @@ def _sliced(cls: type[torch.optim.Optimizer]) -> type[torch.optim.Optimizer]:
     return type(cls.__name__, (_SlicedStep, cls), {"__module__": __name__, "__doc__": cls.__doc__})
 
 
-__all__ = ["CPU_8BIT_SLICE", "METHOD_OPTIONS", "build_optimizer", "optimizer_class", "stochastic_round_bf16"]
+__all__ = ["SLICE_VALUES", "METHOD_OPTIONS", "build_optimizer", "optimizer_class", "stochastic_round_bf16"]
