@@ -152,7 +152,10 @@ def test_stochastic_rounding_picks_a_neighbour_with_the_right_odds():
     assert bool((error <= 5 * (p * (1 - p) / 4000).sqrt() * (high - low) + 1e-300).all())
 
 
-def test_bf16_weights_keep_learning_under_the_8bit_step_rounded_stochastically():
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
+)
+def test_bf16_weights_keep_learning_under_the_8bit_step_rounded_stochastically(device):
     """Updates far below the bf16 spacing: bitsandbytes' own step leaves the bf16 weights where they were, lit-rl's
     moves them as the float32 weights move on average; the same seeds give the same weights."""
     pytest.importorskip("bitsandbytes")
@@ -161,13 +164,13 @@ def test_bf16_weights_keep_learning_under_the_8bit_step_rounded_stochastically()
     spec = {"class_path": "bitsandbytes.optim.AdamW8bit"}
 
     def train(dtype, build):
-        weight = torch.nn.Parameter(start.to(dtype, copy=True))
+        weight = torch.nn.Parameter(start.to(device, dtype, copy=True))
         optimizer = build([weight])
         generator = torch.Generator().manual_seed(1)
         for _ in range(30):
-            weight.grad = (torch.randn(start.shape, generator=generator) + 2.0).to(dtype)
+            weight.grad = (torch.randn(start.shape, generator=generator) + 2.0).to(device, dtype)
             optimizer.step()
-        return weight.detach().double()
+        return weight.detach().double().cpu()
 
     ours = lambda params: build_optimizer(spec, params, lr=1e-5, weight_decay=0.0)  # noqa: E731
     import bitsandbytes.optim
