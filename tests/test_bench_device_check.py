@@ -111,15 +111,16 @@ def test_trl_side_by_side_runs_both_sides(run):
     for side in ("lit-rl", "trl", "lit-rl planned"):
         assert entry[side]["step_s"] > 0, (side, entry)
     assert "## lit-rl against TRL's GRPOTrainer, equal work" in rendered
-    # the planner's run: on a CPU its budget is half TRL's peak RSS, far above the tiny model's tensors, so the plan
-    # keeps the config as it is and the fit with the plan file applied trains
+    # the planner's run: on a CPU its budget is half TRL's peak RSS, far above the tiny model's tensors, so every
+    # candidate fits and the plan is the fastest at this machine's rates: the config as it is, or a faster setting
+    # (bf16 where the CPU has bf16 matrix instructions), and the fit with the plan file applied trains
     plan = entry["plan"]
     assert plan["budget_from"] == "peak_rss_gib" and plan["budget_gib"] == entry["trl"]["peak_rss_gib"] / 2
-    assert plan["plan"] == "the config as it is" and plan["time"] == "1.00x", plan
+    assert (plan["plan"] == "the config as it is") == (plan["time"] == "1.00x"), plan
+    assert plan["time"] == "n/m" or float(plan["time"].removesuffix("x")) <= 1.0, plan  # n/m: a 4-bit base
     assert "### lit-rl planned for half of TRL's peak" in rendered
     assert (
-        f"| tiny LoRA, 4 tokens, fp32 | {plan['budget_gib']:.3f} | the config as it is | {plan['predicted']} |"
-        in rendered
+        f"| tiny LoRA, 4 tokens, fp32 | {plan['budget_gib']:.3f} | {plan['plan']} | {plan['predicted']} |" in rendered
     )
 
 
