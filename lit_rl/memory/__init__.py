@@ -33,9 +33,9 @@ __all__ = [
     "estimate_for_trainer",
     "estimate_step",
     "format_bytes",
+    "parse_bytes",
     "read_peak_rss",
     "read_rss",
     "reset_peak_rss",
-    "parse_bytes",
     "settings_from",
 ]

@@ -129,9 +129,8 @@ class _SlicedStep:
         state = self.state[p]
         absmax = state.get("absmax1")
         rounded = p.dtype == torch.bfloat16
-        if absmax is None or absmax.ndim != 1 or not (rounded or p.device.type == "cpu"):
-            return super().update_step(group, p, gindex, pindex)
-        if not rounded and p.numel() <= SLICE_VALUES:
+        sliced = rounded or (p.device.type == "cpu" and p.numel() > SLICE_VALUES)
+        if absmax is None or absmax.ndim != 1 or not sliced:
             return super().update_step(group, p, gindex, pindex)
         from bitsandbytes import functional
 
@@ -187,4 +186,4 @@ def _sliced(cls: type[torch.optim.Optimizer]) -> type[torch.optim.Optimizer]:
     return type(cls.__name__, (_SlicedStep, cls), {"__module__": __name__, "__doc__": cls.__doc__})
 
 
-__all__ = ["SLICE_VALUES", "METHOD_OPTIONS", "build_optimizer", "optimizer_class", "stochastic_round_bf16"]
+__all__ = ["METHOD_OPTIONS", "SLICE_VALUES", "build_optimizer", "optimizer_class", "stochastic_round_bf16"]
