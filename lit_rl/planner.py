@@ -15,7 +15,9 @@ floor at the machine's measured rates, or a rates file's). The tactics:
   micro-batch that does not fit without it.
 - changed arithmetic (searched only when allowed, marked in the table): ``adamw8bit`` (bitsandbytes' 8-bit AdamW
   moments), ``bf16`` (``trainer.precision: bf16-true``), ``nf4`` (a 4-bit frozen base; LoRA runs only),
-  ``reference_bf16`` (the full fine-tuning reference copy in bfloat16).
+  ``reference_bf16`` (the full fine-tuning reference copy in bfloat16). ``bf16`` comes only beside an 8-bit step,
+  which rounds bf16 weights stochastically; other optimizers round to nearest and lose each update below half the
+  weight's bf16 spacing: most of them at a learning rate of 1e-5 (``bench/results/bf16_rounding.md``).
 
 For every allowed combination of the changed-arithmetic tactics that does not fit at the config's micro-batch even
 with every layer checkpointed, its leanest setting (micro-batches of one row, every layer checkpointed) is estimated
@@ -48,7 +50,7 @@ from lit_rl.memory.machine_rates import load_rates, measure_rates
 from lit_rl.memory.rollout import rollout_shape
 from lit_rl.memory.units import format_bytes
 from lit_rl.memory.work import ModelShape, StepSettings, floor, floor_rates, phase_work
-from lit_rl.models import checkpointing_refused, own_recomputation
+from lit_rl.models import checkpointing_refused, keeps_bf16_updates, own_recomputation
 from lit_rl.models.sampling import rollout_chunks
 
 #: tactics that change the numbers a step computes, searched only when ``--allow`` names them
@@ -141,6 +143,8 @@ def plan(
         own = {}  # the config already recomputes
     for count in range(len(choices) + 1):
         for combo in itertools.combinations(choices, count):
+            if "bf16" in combo and "adamw8bit" not in combo and _bf16_needs_adamw8bit(module, combo):
+                continue  # bf16 weights under an optimizer that rounds to nearest: most small updates lost
             changes = _changes(combo, settings)
             rows = start = base.estimate.settings["micro_batch_size"]
             last = lean = None  # lean: the leanest setting, once estimated and fitting
@@ -184,9 +188,14 @@ def plan(
                         add(lean)  # what this combination reaches at best (an unreachable budget's line names it)
                         break  # (one that fits is a candidate when the search reaches one row: not estimated again)
                 last, rows = plain.peak, rows // 2 if rows > 1 else 0
-    fitting = [c for c in found if c.peak <= device_bytes]
-    best = min(fitting, key=_order, default=None)
+    best = min((c for c in found if c.peak <= device_bytes), key=_order, default=None)
     return best, found, base
+
+
+def _bf16_needs_adamw8bit(module, allow) -> bool:
+    """Whether the search pairs ``bf16`` with ``adamw8bit``: ``bf16`` allowed, under an optimizer that writes bf16
+    weights rounded to nearest (:func:`~lit_rl.models.optimizers.keeps_bf16_updates`)."""
+    return "bf16" in allow and not keeps_bf16_updates(module.hparams.get("optimizer"))
 
 
 def _rollout_fitted(module, rates, settings, overrides, combo, plain: Candidate, device_bytes: int, add):
@@ -367,6 +376,9 @@ def write_plan(
     machine = load_rates(rates) if rates else None
     best, found, base = plan(module, device_bytes, allow=allowed, rates=machine, progress=True, **settings)
     print("\n" + plan_table(best, found, base, device_bytes))
+    if settings.get("precision") != "bf16-true" and _bf16_needs_adamw8bit(module, allowed):
+        print("bf16* is searched only beside adamw8bit*: the config's optimizer rounds bf16 weights to nearest, losing "
+              "most updates at small learning rates; lit-rl's 8-bit step rounds them stochastically")  # fmt: skip
     if best is None:
         raise ValueError(unreachable_line(found, device_bytes, allowed))
     Path(path).write_text(plan_header(configs, device_bytes) + yaml.safe_dump(plan_fragment(best), sort_keys=False))
@@ -430,10 +442,8 @@ def check_plan_files(config_files: list[str]) -> None:
 
 def plan_table(best: Candidate | None, found: list[Candidate], base: Candidate, device_bytes: int) -> str:
     """What the plan turns on, each candidate's peak and time against the config as it is."""
-    lines = [
-        f"plan for {format_bytes(device_bytes)} of tensors (predicted peak, roofline floor at this machine's rates):"
-    ]
-    lines.append(f"  {'tactics':<58} {'peak':>11} {'saved':>11} {'time':>8}  fits")
+    head = f"plan for {format_bytes(device_bytes)} of tensors (predicted peak, roofline floor at this machine's rates):"
+    lines = [head, f"  {'tactics':<58} {'peak':>11} {'saved':>11} {'time':>8}  fits"]
 
     def time(c: Candidate) -> str:
         if c.seconds is None or base.seconds is None:

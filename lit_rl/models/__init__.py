@@ -42,7 +42,7 @@ from lit_rl.models.loading import (
     resolve_dtype,
     resolve_source,
 )
-from lit_rl.models.optimizers import build_optimizer
+from lit_rl.models.optimizers import build_optimizer, keeps_bf16_updates
 from lit_rl.models.quantize import nf4_memory, quantize_base_nf4
 from lit_rl.models.reward import (
     forward_soft_embeds,
@@ -87,6 +87,7 @@ __all__ = [
     "forward_soft_sparse",
     "gather_trunk",
     "head_spec",
+    "keeps_bf16_updates",
     "lm_head",
     "load_causal_lm",
     "load_reward_model",

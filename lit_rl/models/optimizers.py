@@ -173,6 +173,16 @@ class _SlicedStep:
         return None
 
 
+def keeps_bf16_updates(spec: dict[str, Any] | None) -> bool:
+    """Whether :func:`build_optimizer`'s optimizer for ``spec`` (``None``: the method's default fused AdamW) keeps the
+    updates of bf16 weights that are smaller than half their bf16 spacing: only the sliced bitsandbytes 8-bit step
+    does (stochastic rounding); every other optimizer writes bf16 weights rounded to nearest.
+    """
+    if spec is None or not str(spec.get("class_path", "")).startswith("bitsandbytes."):
+        return False
+    return issubclass(_sliced(optimizer_class(spec["class_path"])), _SlicedStep)
+
+
 @functools.cache
 def _sliced(cls: type[torch.optim.Optimizer]) -> type[torch.optim.Optimizer]:
     """``cls`` itself, or for a bitsandbytes 8-bit optimizer a subclass of the same name that steps CPU tensors and
@@ -186,4 +196,11 @@ def _sliced(cls: type[torch.optim.Optimizer]) -> type[torch.optim.Optimizer]:
     return type(cls.__name__, (_SlicedStep, cls), {"__module__": __name__, "__doc__": cls.__doc__})
 
 
-__all__ = ["METHOD_OPTIONS", "SLICE_VALUES", "build_optimizer", "optimizer_class", "stochastic_round_bf16"]
+__all__ = [
+    "METHOD_OPTIONS",
+    "SLICE_VALUES",
+    "build_optimizer",
+    "keeps_bf16_updates",
+    "optimizer_class",
+    "stochastic_round_bf16",
+]
