@@ -15,9 +15,9 @@ floor at the machine's measured rates, or a rates file's). The tactics:
   micro-batch that does not fit without it.
 - changed arithmetic (searched only when allowed, marked in the table): ``adamw8bit`` (bitsandbytes' 8-bit AdamW
   moments), ``bf16`` (``trainer.precision: bf16-true``), ``nf4`` (a 4-bit frozen base; LoRA runs only),
-  ``reference_bf16`` (the full fine-tuning reference copy in bfloat16). ``bf16`` comes only beside an 8-bit step,
-  which rounds bf16 weights stochastically; other optimizers round to nearest and lose each update below half the
-  weight's bf16 spacing: most of them at a learning rate of 1e-5 (``bench/results/bf16_rounding.md``).
+  ``reference_bf16`` (the full fine-tuning reference copy in bfloat16). Under an optimizer that rounds bf16 weights
+  to nearest (losing each update below half a weight's bf16 spacing: most at a learning rate of 1e-5), ``bf16``
+  comes only beside ``adamw8bit``; the default optimizer and the 8-bit step round stochastically.
 
 For every allowed combination of the changed-arithmetic tactics that does not fit at the config's micro-batch even
 with every layer checkpointed, its leanest setting (micro-batches of one row, every layer checkpointed) is estimated

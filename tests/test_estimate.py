@@ -145,7 +145,7 @@ def test_component_table_has_exact_parameter_gradient_and_adamw_bytes():
     assert estimate.component("reference weights").bytes == 4 * n  # full fine-tuning keeps a frozen copy
     assert estimate.component("gradients").bytes == 4 * n
     # AdamW: exp_avg and exp_avg_sq in the parameter dtype, plus one float32 step counter per parameter tensor
-    assert estimate.component("optimizer state (AdamW)").bytes == 2 * 4 * n + 4 * len(params)
+    assert estimate.component("optimizer state (StochasticAdamW)").bytes == 2 * 4 * n + 4 * len(params)
     kv = estimate.component("KV cache (end of rollout)")
     cfg = model.config
     head_dim = cfg.hidden_size // cfg.num_attention_heads
@@ -158,7 +158,10 @@ def test_lora_predicts_a_much_smaller_optimizer_state_and_no_reference_copy():
     lora = estimate_step(
         _method(lora=LoraSettings(r=2, alpha=4, target_modules=["q_proj", "v_proj"])), batch_size=1, prompt_length=16
     )
-    assert lora.component("optimizer state (AdamW)").bytes < 0.2 * full.component("optimizer state (AdamW)").bytes
+    assert (
+        lora.component("optimizer state (StochasticAdamW)").bytes
+        < 0.2 * full.component("optimizer state (StochasticAdamW)").bytes
+    )
     assert lora.component("reference weights").bytes == 0
     assert lora.phases["optimizer"] < full.phases["optimizer"]
 
@@ -197,7 +200,7 @@ def test_main_says_a_step_does_not_fit_and_names_tactics(capsys, monkeypatch, tm
     monkeypatch.chdir(tmp_path)  # the config's logger must not write into the checkout
     main(["--config", str(ROOT / "configs/grpo_tiny.yaml"), "--prompt-length", "32", "--device-memory", "1MiB"])
     out = capsys.readouterr().out
-    assert "parameters (policy)" in out and "optimizer state (AdamW)" in out
+    assert "parameters (policy)" in out and "optimizer state (StochasticAdamW)" in out
     assert "does NOT fit" in out
     for tactic in ("activation_checkpointing", "micro_batch", "lora", "bf16"):
         assert f"- {tactic}: " in out

@@ -3,6 +3,8 @@ wrong, and charged by the estimator at its real state bytes (bitsandbytes' 8-bit
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from pathlib import Path
 
 import pytest
@@ -182,3 +184,142 @@ def test_bf16_weights_keep_learning_under_the_8bit_step_rounded_stochastically(d
     assert abs((nearest - start.bfloat16().double()).mean()) < 0.1 * abs(moved)  # rounded away, but near 0
     assert abs((rounded - start.bfloat16().double()).mean() - moved) < 0.05 * abs(moved)
     assert torch.equal(rounded, train(torch.bfloat16, ours))
+
+
+def _adamw64(weight, grads, *, lr, decay, betas=(0.9, 0.999), eps=1e-8):
+    """Plain float64 AdamW (decoupled weight decay) from ``weight`` over the gradients in ``grads``."""
+    w = weight.double().clone()
+    m, v = torch.zeros_like(w), torch.zeros_like(w)
+    for t, g in enumerate(grads, start=1):
+        g = g.double()
+        w = w * (1 - lr * decay)
+        m = betas[0] * m + (1 - betas[0]) * g
+        v = betas[1] * v + (1 - betas[1]) * g * g
+        w = w - lr / (1 - betas[0] ** t) * m / ((v / (1 - betas[1] ** t)).sqrt() + eps)
+    return w, m, v
+
+
+@pytest.mark.parametrize("size", [(70, 73), (3, 1)])
+def test_stochastic_adamw_is_torch_adamw_for_float32_and_float64_adamw_for_bf16(size):
+    """float32 weights: bitwise torch's fused AdamW. bf16 weights, one step: each weight one of the two bf16
+    neighbours of float64 AdamW's result from the same bf16 start and gradient (odd sizes, weight decay on)."""
+    torch.manual_seed(0)
+    start, grad = torch.randn(size), torch.randn(size)
+    ours = torch.nn.Parameter(start.clone())
+    theirs = torch.nn.Parameter(start.clone())
+    a = optimizers.StochasticAdamW([ours], lr=1e-2, weight_decay=0.1, fused=True)
+    b = torch.optim.AdamW([theirs], lr=1e-2, weight_decay=0.1, fused=True)
+    for _ in range(3):
+        ours.grad, theirs.grad = grad.clone(), grad.clone()
+        a.step()
+        b.step()
+    assert torch.equal(ours, theirs)
+    half = torch.nn.Parameter(start.bfloat16())
+    half.grad = grad.bfloat16()
+    optimizers.StochasticAdamW([half], lr=1e-2, weight_decay=0.1).step()
+    ref, _, _ = _adamw64(start.bfloat16(), [grad.bfloat16()], lr=1e-2, decay=0.1)
+    spacing = (torch.frexp(ref).exponent - 8).double().exp2()
+    assert bool(((half.double() - ref).abs() <= spacing).all())
+    assert half.dtype == torch.bfloat16 and a.state[ours]["exp_avg"].dtype == torch.float32
+
+
+def test_stochastic_adamw_keeps_updates_that_torchs_bf16_adamw_rounds_away():
+    """lr 1e-5 on weights of size 0.1 (bf16 spacing 2^-10 to 2^-11, far above the update): torch's AdamW leaves the
+    bf16 weights where they were; StochasticAdamW moves them as float64 AdamW does on average, its second moment
+    follows float64's too, and a step split across slices, or repeated from the same start, draws the same bits."""
+    torch.manual_seed(0)
+    start = torch.randn(3000, 11) * 0.1
+    generator = torch.Generator().manual_seed(1)
+    grads = [torch.randn(start.shape, generator=generator) + 2.0 for _ in range(30)]
+
+    def train(cls, **kwargs):
+        weight = torch.nn.Parameter(start.bfloat16())
+        optimizer = cls([weight], lr=1e-5, weight_decay=0.0, **kwargs)
+        for g in grads:
+            weight.grad = g.bfloat16()
+            optimizer.step()
+        return weight.detach().double(), optimizer.state[weight]["exp_avg_sq"].double()
+
+    ref, _, v64 = _adamw64(start.bfloat16(), [g.bfloat16() for g in grads], lr=1e-5, decay=0.0)
+    moved = (ref - start.bfloat16().double()).mean()
+    (ours, v), (nearest, _) = train(optimizers.StochasticAdamW), train(torch.optim.AdamW, fused=True)
+    assert moved < -2e-4
+    assert abs((nearest - start.bfloat16().double()).mean()) < 0.1 * abs(moved)
+    assert abs((ours - start.bfloat16().double()).mean() - moved) < 0.05 * abs(moved)
+    assert abs(v.mean() / v64.mean() - 1) < 0.01
+    assert torch.equal(ours, train(optimizers.StochasticAdamW)[0])
+
+
+def test_stochastic_adamw_resumes_exactly_and_refuses_what_it_does_not_offer(monkeypatch):
+    monkeypatch.setattr(optimizers, "SLICE_VALUES", 256)  # several slices, a partial last one
+    torch.manual_seed(0)
+    start, grads = torch.randn(33, 29).bfloat16(), [torch.randn(33, 29).bfloat16() for _ in range(4)]
+
+    def run(resume_after=None):
+        weight = torch.nn.Parameter(start.clone())
+        optimizer = optimizers.StochasticAdamW([weight], lr=1e-3, weight_decay=0.01)
+        for i, g in enumerate(grads):
+            if i == resume_after:
+                saved = optimizer.state_dict()
+                weight = torch.nn.Parameter(weight.detach().clone())
+                optimizer = optimizers.StochasticAdamW([weight], lr=1e-3, weight_decay=0.01)
+                optimizer.load_state_dict(saved)
+            weight.grad = g
+            optimizer.step()
+        return weight.detach()
+
+    assert torch.equal(run(), run(resume_after=2))
+    with pytest.raises(ValueError, match="amsgrad is not offered by StochasticAdamW; use torch.optim.AdamW"):
+        optimizers.StochasticAdamW([torch.nn.Parameter(start.clone())], amsgrad=True)
+
+
+def test_the_default_optimizer_keeps_bf16_updates_and_others_say_whether_they_do():
+    params = [torch.nn.Parameter(torch.zeros(4).bfloat16())]
+    assert (
+        type(optimizers.default_optimizer(params, lr=1e-5, weight_decay=0.0, mixed=False)) is optimizers.StochasticAdamW
+    )
+    assert optimizers.keeps_bf16_updates(None)
+    assert optimizers.keeps_bf16_updates({"class_path": "lit_rl.models.StochasticAdamW"})
+    assert not optimizers.keeps_bf16_updates({"class_path": "torch.optim.AdamW"})
+    if importlib.util.find_spec("bitsandbytes"):
+        assert optimizers.keeps_bf16_updates({"class_path": "bitsandbytes.optim.AdamW8bit"})
+        assert optimizers.keeps_bf16_updates({"class_path": "bitsandbytes.optim.Lion8bit"})
+
+
+DTENSOR_STEP = """
+import os, torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+from lit_rl.models.optimizers import StochasticAdamW
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"])
+dist.init_process_group("gloo", rank=0, world_size=1)
+mesh = init_device_mesh("cpu", (1,))
+torch.manual_seed(0)
+start, grad = torch.randn(37, 5).bfloat16(), torch.randn(37, 5).bfloat16()
+plain = torch.nn.Parameter(start.clone())
+sharded = torch.nn.Parameter(distribute_tensor(start.clone(), mesh, [Shard(0)]))
+for p, g in ((plain, grad), (sharded, distribute_tensor(grad, mesh, [Shard(0)]))):
+    optimizer = StochasticAdamW([p], lr=1e-3, weight_decay=0.01)
+    for _ in range(2):
+        p.grad = g
+        optimizer.step()
+assert not torch.equal(plain.detach(), start)
+assert torch.equal(sharded.detach().full_tensor(), plain.detach()), "the shard's step differs"
+dist.destroy_process_group()
+print("ok")
+"""
+
+
+def test_stochastic_adamw_steps_a_sharded_weight_through_its_local_shard():
+    """An FSDP2 weight is a DTensor: the step runs on its local shard (one rank here, so the shard is the whole
+    tensor) and must equal the plain tensor's step bit for bit, the write reaching the parameter."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PORT": str(port)}
+    run = subprocess.run([sys.executable, "-c", DTENSOR_STEP], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-2000:]

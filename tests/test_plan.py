@@ -13,7 +13,7 @@ from lit_rl.memory import fit
 from lit_rl.memory.estimate import copy_method
 from lit_rl.memory.units import format_bytes
 from lit_rl.methods import RefCachedGRPO
-from lit_rl.models import LoraSettings, keeps_bf16_updates
+from lit_rl.models import LoraSettings
 from lit_rl.planner import (
     _candidate,
     _floor_before,
@@ -131,30 +131,28 @@ def test_bf16_is_not_searched_for_a_config_in_bf16_already(method):
     assert best is None and len(found) == 2 and all(not c.allowed for c in found)  # the config and its leanest
 
 
-def test_bf16_is_searched_only_beside_the_8_bit_step(method, tight):
-    # bf16 weights under the default AdamW round each update to nearest (most updates at lr 1e-5 lost, LoRA's
-    # initialised A matrices' too); the sliced 8-bit step rounds stochastically, so the search pairs them
+def test_bf16_under_an_optimizer_that_rounds_to_nearest_is_searched_only_beside_the_8_bit_step(method, tight):
+    # torch's AdamW writes bf16 weights rounded to nearest (most updates at lr 1e-5 lost, LoRA's initialised A
+    # matrices' too); the default StochasticAdamW and the sliced 8-bit step round stochastically
     budget, _ = tight
-    _, found, _ = plan(method, budget, allow=("adamw8bit", "bf16"), rates=RATES, **SHAPE)
+    torch_adamw = copy_method(method, {"optimizer": {"class_path": "torch.optim.AdamW", "init_args": {}}})
+    _, found, _ = plan(torch_adamw, budget, allow=("adamw8bit", "bf16"), rates=RATES, **SHAPE)
     assert {c.allowed for c in found} >= {("adamw8bit",), ("adamw8bit", "bf16")}
     assert ("bf16",) not in {c.allowed for c in found}
-    _, found, _ = plan(method, budget, allow=("bf16",), rates=RATES, **SHAPE)
+    _, found, _ = plan(torch_adamw, budget, allow=("bf16",), rates=RATES, **SHAPE)
     assert {c.allowed for c in found} == {()}  # bf16 alone is never searched without adamw8bit
-    eight = {"class_path": "bitsandbytes.optim.AdamW8bit", "init_args": {}}
-    _, found, _ = plan(copy_method(method, {"optimizer": eight}), budget, allow=("bf16",), rates=RATES, **SHAPE)
-    assert ("bf16",) in {c.allowed for c in found}  # the config's own optimizer is the 8-bit step already
+    for own in (method, copy_method(method, {"optimizer": {"class_path": "bitsandbytes.optim.AdamW8bit"}})):
+        _, found, _ = plan(own, budget, allow=("bf16",), rates=RATES, **SHAPE)
+        assert ("bf16",) in {c.allowed for c in found}  # the default optimizer, or the 8-bit step already
     lora = RefCachedGRPO(
-        name_or_path="tiny:llama", num_generations=4, max_new_tokens=16, lora=LoraSettings(r=4, alpha=8)
+        name_or_path="tiny:llama",
+        num_generations=4,
+        max_new_tokens=16,
+        lora=LoraSettings(r=4, alpha=8),
+        optimizer={"class_path": "torch.optim.AdamW", "init_args": {}},
     )
     _, found, _ = plan(lora, 1024, allow=("adamw8bit", "bf16"), rates=RATES, **SHAPE)
     assert ("adamw8bit", "bf16") in {c.allowed for c in found} and ("bf16",) not in {c.allowed for c in found}
-
-
-def test_keeps_bf16_updates_names_the_sliced_8_bit_step_only():
-    assert not keeps_bf16_updates(None)  # the methods' default fused AdamW
-    assert not keeps_bf16_updates({"class_path": "torch.optim.AdamW"})
-    assert keeps_bf16_updates({"class_path": "bitsandbytes.optim.AdamW8bit"})
-    assert keeps_bf16_updates({"class_path": "bitsandbytes.optim.Lion8bit"})
 
 
 def _estimate_peak(args: list[str]) -> int:

@@ -121,7 +121,7 @@ def _tactics(baseline: Estimate) -> dict[str, dict[str, Any]]:
         changes["activation_checkpointing"] = {"activation_checkpointing": 1}
     if s["micro_batch_size"] > 1:
         changes["micro_batch"] = {"micro_batch_size": max(1, s["micro_batch_size"] // 2)}
-    if s["optimizer"] == "AdamW" and s.get("rollout_gather") is None:  # bitsandbytes' does not step sharded weights
+    if s["optimizer"] in ("AdamW", "StochasticAdamW") and s.get("rollout_gather") is None:  # not sharded: bnb cannot
         changes["adamw8bit"] = {"optimizer": {"class_path": "bitsandbytes.optim.AdamW8bit", "init_args": {}}}
     if not s["lora"]:
         changes["lora"] = {"lora": LoraSettings()}

@@ -41,7 +41,7 @@ from lit_rl.methods.rewards import TextAndRewards
 from lit_rl.methods.rng import rng_states, set_rng_states
 from lit_rl.methods.standalone import StandaloneStep
 from lit_rl.methods.token_budget import budget_slices, check_budget
-from lit_rl.models import ADOPTED, LoraSettings, build_optimizer, load_causal_lm, load_tokenizer
+from lit_rl.models import ADOPTED, LoraSettings, build_optimizer, default_optimizer, load_causal_lm, load_tokenizer
 from lit_rl.models.compiled_decode import choose_decode
 from lit_rl.models.quantize import check_quantize_base, nf4_memory
 
@@ -366,12 +366,8 @@ class RLMethod(HeldOutEvaluation, TextAndRewards, StandaloneStep, L.LightningMod
         hp = self.hparams
         if hp.get("optimizer") is not None:  # --optimizer: any torch.optim.Optimizer, with the method's lr and decay
             return build_optimizer(hp.optimizer, params, lr=hp.learning_rate, weight_decay=hp.weight_decay)
-        # fused: one kernel per parameter group on CPU and CUDA, without foreach's temporaries the size of every
-        # trainable weight (bench/results/estimate.md shows them on a Qwen2.5-3B shape); same update up to rounding.
-        # Not under mixed precision: Lightning refuses to clip a fused optimizer's gradients there (it unscales them)
         mixed = self._trainer is not None and str(self.trainer.precision).endswith("-mixed")
-        fused = not mixed and all(p.device.type in ("cpu", "cuda") and p.dtype.is_floating_point for p in params)
-        return torch.optim.AdamW(params, lr=hp.learning_rate, weight_decay=hp.weight_decay, fused=fused or None)
+        return default_optimizer(params, lr=hp.learning_rate, weight_decay=hp.weight_decay, mixed=mixed)
 
     # ------------------------------------------------------------------ the step
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:

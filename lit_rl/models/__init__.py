@@ -42,7 +42,7 @@ from lit_rl.models.loading import (
     resolve_dtype,
     resolve_source,
 )
-from lit_rl.models.optimizers import build_optimizer, keeps_bf16_updates
+from lit_rl.models.optimizers import StochasticAdamW, build_optimizer, default_optimizer, keeps_bf16_updates
 from lit_rl.models.quantize import nf4_memory, quantize_base_nf4
 from lit_rl.models.reward import (
     forward_soft_embeds,
@@ -65,11 +65,13 @@ __all__ = [
     "SHAPE_PREFIX",
     "TINY_PREFIX",
     "LoraSettings",
+    "StochasticAdamW",
     "apply_lora",
     "base_model",
     "build_from_config",
     "build_on_meta",
     "build_optimizer",
+    "default_optimizer",
     "cache_dir",
     "cache_keyword",
     "cache_kwargs",

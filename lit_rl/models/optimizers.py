@@ -1,7 +1,7 @@
 """The optimizer a method trains with, from the run's ``--optimizer`` (a class path and its options).
 
-Every method steps one optimizer over the policy's trainable parameters. Without ``--optimizer`` it is fused
-AdamW; with it, any ``torch.optim.Optimizer`` subclass, chosen as in any LightningCLI program::
+Every method steps one optimizer over the policy's trainable parameters. Without ``--optimizer`` it is
+:class:`StochasticAdamW` (torch's fused AdamW, with stochastic rounding for bf16 weights); with it, any ``torch.optim.Optimizer`` subclass, chosen as in any LightningCLI program::
 
     lit-rl fit --config configs/grpo.yaml --optimizer bitsandbytes.optim.AdamW8bit
     # or in YAML:  optimizer: {class_path: bitsandbytes.optim.AdamW8bit, init_args: {betas: [0.9, 0.95]}}
@@ -23,10 +23,10 @@ therefore steps bitsandbytes' 8-bit optimizers on a CPU in slices of :data:`SLIC
 blocks each: every block is quantized on its own, so the result is bitwise the unsliced step's, and the scratch is
 at most six float32 copies of one slice (24 MiB) whatever the tensor. CUDA's step is one fused kernel, left as is.
 
-bf16 weights (``trainer.precision: bf16-true``) lose every update smaller than half the bf16 spacing of the weight
-they change: at a full fine-tuning learning rate of 1e-5 almost every weight (``docs/memory.md``, bf16 on the CPU).
-For them, on any device, the same sliced step updates a float32 copy of the slice and writes it back with
-stochastic rounding (:func:`stochastic_round_bf16`: up or down with probabilities that make the expected weight
+bf16 weights (``trainer.precision: bf16-true``) rounded to nearest lose every update smaller than half the bf16
+spacing of the weight they change: at a full fine-tuning learning rate of 1e-5 almost every weight
+(``docs/memory.md``, bf16 on the CPU). For them, on any device, the default :class:`StochasticAdamW` and the sliced
+8-bit step update a float32 copy of each slice and write it back with stochastic rounding (:func:`stochastic_round_bf16`: up or down with probabilities that make the expected weight
 the float32 one), which keeps bf16 training close to float32 (Zamirai et al., "Revisiting BFloat16 Training",
 arXiv 2010.06192; torchao's 8-bit AdamW offers the same as ``bf16_stochastic_round``). The random bits come from a
 generator seeded by the step, the tensor's place and the slice, so a run and its resume draw the same ones.
@@ -37,6 +37,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -114,6 +115,88 @@ def stochastic_round_bf16(values: torch.Tensor, generator: torch.Generator | Non
     return ((values.view(torch.int32) + noise) & -(1 << 16)).view(torch.float32).to(torch.bfloat16)
 
 
+class StochasticAdamW(torch.optim.AdamW):
+    """torch's AdamW, except that bf16 tensors are stepped in float32 and written back with stochastic rounding.
+
+    The methods' default optimizer. torch's AdamW keeps a bf16 weight's moments in bf16 and writes the weight and
+    the second moment rounded to nearest, so an update below half the weight's bf16 spacing is lost (most of them
+    at a learning rate of 1e-5), and the second moment, which moves by ``1 - beta2`` = 0.1% of itself per step
+    (less than half its own bf16 spacing), cannot decay. Here each bf16 weight is stepped :data:`SLICE_VALUES` values
+    at a time: the slice's weight, gradient and moments as float32 copies (16 MiB of scratch at most), torch's
+    decoupled-decay AdamW arithmetic on them, and the weight and the second moment written back with
+    :func:`stochastic_round_bf16` (the first moment moves by 10% per step; it is rounded to nearest). The state has
+    torch's keys, dtypes and bytes (``step`` a Python int for the stepped tensors). Every other tensor takes torch's
+    own (fused) step. ``amsgrad``, ``maximize`` and ``capturable`` are torch's alone: refused here.
+    """
+
+    def __init__(self, params, **kwargs: Any) -> None:
+        for flag in ("amsgrad", "maximize", "capturable"):
+            if kwargs.get(flag):
+                raise ValueError(f"optimizer: {flag} is not offered by StochasticAdamW; use torch.optim.AdamW")
+        super().__init__(params, **kwargs)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        groups = [group["params"] for group in self.param_groups]
+        try:  # torch's step for what is not bf16
+            for group in self.param_groups:
+                group["params"] = [p for p in group["params"] if p.dtype != torch.bfloat16]
+            if any(p.grad is not None for group in self.param_groups for p in group["params"]):
+                super().step()
+        finally:
+            for group, params in zip(self.param_groups, groups, strict=True):
+                group["params"] = params
+        for gindex, group in enumerate(self.param_groups):
+            for pindex, p in enumerate(group["params"]):
+                if p.dtype == torch.bfloat16 and p.grad is not None:
+                    self._step_bf16(group, p, gindex, pindex)
+        return loss
+
+    def _step_bf16(self, group, p, gindex: int, pindex: int) -> None:
+        state = self.state[p]
+        if not state:
+            state.update(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+        state["step"] = step = int(state["step"]) + 1
+        lr, (beta1, beta2), eps, decay = float(group["lr"]), group["betas"], group["eps"], group["weight_decay"]
+        correction1, root2 = 1 - beta1**step, math.sqrt(1 - beta2**step)
+        kept = [_local(t) for t in (p.detach(), state["exp_avg"], state["exp_avg_sq"])]  # a shard's own values
+        weights, first, second = (t.view(-1) if t.is_contiguous() else t.reshape(-1) for t in kept)
+        grads = _local(p.grad).reshape(-1)
+        for start in range(0, weights.numel(), SLICE_VALUES):
+            values = slice(start, start + SLICE_VALUES)
+            w, g, m, v = (t[values].float() for t in (weights, grads, first, second))
+            w.mul_(1 - lr * decay)
+            m.lerp_(g, 1 - beta1)
+            v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+            w.addcdiv_(m, v.sqrt().div_(root2).add_(eps), value=-lr / correction1)
+            seed = hash((gindex, pindex, step, start)) & (2**63 - 1)
+            generator = torch.Generator(device=weights.device).manual_seed(seed)
+            weights[values] = stochastic_round_bf16(w, generator)
+            second[values] = stochastic_round_bf16(v, generator)
+            first[values] = m
+        for tensor, flat in zip(kept, (weights, first, second), strict=True):
+            if not tensor.is_contiguous():  # reshape copied it
+                tensor.copy_(flat.view_as(tensor))
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A sharded (FSDP2 DTensor) tensor's local shard, which its writes update; any other tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def default_optimizer(params: list[torch.nn.Parameter], *, lr: float, weight_decay: float, mixed: bool):
+    """The methods' optimizer without ``--optimizer``: :class:`StochasticAdamW`, fused (one kernel per parameter group
+    on CPU and CUDA, without foreach's temporaries the size of every trainable weight; ``bench/results/estimate.md``
+    shows them on a Qwen2.5-3B shape), except under mixed precision, where Lightning refuses to clip a fused
+    optimizer's gradients (it unscales them)."""
+    fused = not mixed and all(p.device.type in ("cpu", "cuda") and p.dtype.is_floating_point for p in params)
+    return StochasticAdamW(params, lr=lr, weight_decay=weight_decay, fused=fused or None)
+
+
 class _SlicedStep:
     """Mixed in before a bitsandbytes 8-bit optimizer: steps a tensor's blockwise 8-bit state slice by slice.
 
@@ -174,12 +257,14 @@ class _SlicedStep:
 
 
 def keeps_bf16_updates(spec: dict[str, Any] | None) -> bool:
-    """Whether :func:`build_optimizer`'s optimizer for ``spec`` (``None``: the method's default fused AdamW) keeps the
-    updates of bf16 weights that are smaller than half their bf16 spacing: only the sliced bitsandbytes 8-bit step
-    does (stochastic rounding); every other optimizer writes bf16 weights rounded to nearest.
+    """Whether the optimizer for ``spec`` (``None``: the methods' default, :class:`StochasticAdamW`) keeps the updates
+    of bf16 weights smaller than half their bf16 spacing: :class:`StochasticAdamW` and the sliced bitsandbytes 8-bit
+    step do (stochastic rounding); every other optimizer writes bf16 weights rounded to nearest.
     """
-    if spec is None or not str(spec.get("class_path", "")).startswith("bitsandbytes."):
-        return False
+    if spec is None:
+        return True  # StochasticAdamW
+    if not str(spec.get("class_path", "")).startswith("bitsandbytes."):
+        return issubclass(optimizer_class(spec["class_path"]), StochasticAdamW)
     return issubclass(_sliced(optimizer_class(spec["class_path"])), _SlicedStep)
 
 
@@ -199,7 +284,9 @@ def _sliced(cls: type[torch.optim.Optimizer]) -> type[torch.optim.Optimizer]:
 __all__ = [
     "METHOD_OPTIONS",
     "SLICE_VALUES",
+    "StochasticAdamW",
     "build_optimizer",
+    "default_optimizer",
     "keeps_bf16_updates",
     "optimizer_class",
     "stochastic_round_bf16",
