@@ -280,6 +280,8 @@ def test_the_default_optimizer_keeps_bf16_updates_and_others_say_whether_they_do
     )
     assert optimizers.keeps_bf16_updates(None)
     assert optimizers.keeps_bf16_updates({"class_path": "lit_rl.models.StochasticAdamW"})
+    named = build_optimizer({"class_path": "lit_rl.models.StochasticAdamW"}, params, lr=3e-6, weight_decay=0.5)
+    assert (named.defaults["lr"], named.defaults["weight_decay"]) == (3e-6, 0.5)  # the method's, as for any class
     assert not optimizers.keeps_bf16_updates({"class_path": "torch.optim.AdamW"})
     if importlib.util.find_spec("bitsandbytes"):
         assert optimizers.keeps_bf16_updates({"class_path": "bitsandbytes.optim.AdamW8bit"})

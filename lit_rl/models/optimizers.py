@@ -129,11 +129,11 @@ class StochasticAdamW(torch.optim.AdamW):
     own (fused) step. ``amsgrad``, ``maximize`` and ``capturable`` are torch's alone: refused here.
     """
 
-    def __init__(self, params, **kwargs: Any) -> None:
+    def __init__(self, params, lr: float = 1e-3, weight_decay: float = 1e-2, **kwargs: Any) -> None:
         for flag in ("amsgrad", "maximize", "capturable"):
             if kwargs.get(flag):
                 raise ValueError(f"optimizer: {flag} is not offered by StochasticAdamW; use torch.optim.AdamW")
-        super().__init__(params, **kwargs)
+        super().__init__(params, lr=lr, weight_decay=weight_decay, **kwargs)
 
     @torch.no_grad()
     def step(self, closure=None):
