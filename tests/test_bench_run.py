@@ -217,6 +217,34 @@ def test_a_setup_nothing_was_planned_for_says_why():
     assert vs_trl.planned_table([vs_trl.Comparison(vs_trl.SETUPS[2])]) == []  # no planned side: no table
 
 
+def test_a_budget_no_plan_fits_plans_the_smallest_peak_the_planner_names(monkeypatch, tmp_path):
+    # the equal-settings lit-rl process held 2.6 GiB beside 0.8 GiB of tensors and TRL 5.4: B = 2.7 - 2.6 = 0.1 GiB;
+    # the planner refuses it, naming 258.80 MiB, which is planned instead (a hair above: the size is printed rounded)
+    c = vs_trl.Comparison(vs_trl.SETUPS[1])
+    c.runs += [vs_trl.Run("lit-rl", c.setup.name, 0, [9.0, 2.0], 3.4 * 2**30, 10.0),
+               vs_trl.Run("TRL", c.setup.name, 0, [9.0, 4.0], 5.4 * 2**30, 10.0)]  # fmt: skip
+    budgets = []
+    refusal = "error: --device-memory 102.40 MiB: no plan fits; the smallest predicted peak is 258.80 MiB (nf4*)"
+    table = "  nf4*, checkpoint every 1      258.80 MiB   2.00 GiB      n/m  yes  <- plan"
+
+    def fake_estimate(args, log):
+        if "--device-memory" not in args:
+            return subprocess.CompletedProcess(args, 0, "step peak (steady state)  0.80 GiB\n", "")
+        budgets.append(args[args.index("--device-memory") + 1])
+        return subprocess.CompletedProcess(args, 0, table, "") if len(budgets) == 2 else (
+            subprocess.CompletedProcess(args, 2, "", refusal))  # fmt: skip
+
+    monkeypatch.setattr(vs_trl, "_estimate", fake_estimate)
+    monkeypatch.setattr(vs_trl.harness, "estimated_step_gib", lambda text: 0.8)
+    planned = vs_trl.plan_for_half_of_trl(c, tmp_path / "plan.yaml", vs_trl.RATES)
+    assert budgets[0] == "0.1000GiB" and float(budgets[1][:-3]) == pytest.approx(258.80 * 1.001 / 1024, abs=1e-4)
+    assert planned.choice["plan"].startswith("nf4*") and planned.leanest_gib == pytest.approx(0.2530, abs=1e-3)
+    c.runs.append(vs_trl.Run(vs_trl.PLANNED, c.setup.name, 0, [9.0, 2.0], 1.2 * 2**30, 10.0))
+    c.planned = planned
+    (row,) = [ln for ln in vs_trl.planned_table([c]) if ln.startswith(f"| {c.setup.name} |")]
+    assert "| 0.10 (no plan fits; planned for the smallest peak, 0.25) | nf4*" in row and "| 0.22 | met |" in row
+
+
 def test_a_partial_rerun_keeps_the_other_sections():
     titles = {"trl": "1. A", "baselines": "2. B"}
     saved = "\n".join(["# Benchmarks", "", "Command: `python bench/run.py --out bench`",
