@@ -141,10 +141,11 @@ def plan(
     own = own_recomputation(module)  # a method's own recomputation, where it refuses checkpointed layers
     if all(module.hparams.get(k) == v for k, v in own.items()):
         own = {}  # the config already recomputes
+    nearest = _rounds_bf16_to_nearest(module)  # then bf16 comes only beside adamw8bit: most small updates lost
     for count in range(len(choices) + 1):
         for combo in itertools.combinations(choices, count):
-            if "bf16" in combo and "adamw8bit" not in combo and _bf16_needs_adamw8bit(module, combo):
-                continue  # bf16 weights under an optimizer that rounds to nearest: most small updates lost
+            if nearest and "bf16" in combo and "adamw8bit" not in combo:
+                continue
             changes = _changes(combo, settings)
             rows = start = base.estimate.settings["micro_batch_size"]
             last = lean = None  # lean: the leanest setting, once estimated and fitting
@@ -192,10 +193,9 @@ def plan(
     return best, found, base
 
 
-def _bf16_needs_adamw8bit(module, allow) -> bool:
-    """Whether the search pairs ``bf16`` with ``adamw8bit``: ``bf16`` allowed, under an optimizer that writes bf16
-    weights rounded to nearest (:func:`~lit_rl.models.optimizers.keeps_bf16_updates`)."""
-    return "bf16" in allow and not keeps_bf16_updates(module.hparams.get("optimizer"))
+def _rounds_bf16_to_nearest(module) -> bool:
+    """Whether the method's optimizer writes bf16 weights rounded to nearest (see ``keeps_bf16_updates``)."""
+    return not keeps_bf16_updates(module.hparams.get("optimizer"))
 
 
 def _rollout_fitted(module, rates, settings, overrides, combo, plain: Candidate, device_bytes: int, add):
@@ -376,7 +376,7 @@ def write_plan(
     machine = load_rates(rates) if rates else None
     best, found, base = plan(module, device_bytes, allow=allowed, rates=machine, progress=True, **settings)
     print("\n" + plan_table(best, found, base, device_bytes))
-    if settings.get("precision") != "bf16-true" and _bf16_needs_adamw8bit(module, allowed):
+    if "bf16" in allowed and settings.get("precision") != "bf16-true" and _rounds_bf16_to_nearest(module):
         print("bf16* is searched only beside adamw8bit*: the config's optimizer rounds bf16 weights to nearest, losing "
               "most updates at small learning rates; lit-rl's 8-bit step rounds them stochastically")  # fmt: skip
     if best is None:

@@ -38,9 +38,9 @@ Where a prediction can differ from a measurement:
   ``num_generations`` times is not (``padded``).
 - Kernels are the CPU ones. SDPA's CPU flash kernel saves the output and the log-sum-exp, like CUDA's
   flash and memory-efficient kernels, so attention activations match. The methods' AdamW is fused on CPU and
-  CUDA alike (bf16 weights: stepped in float32 slices, whose scratch is counted); an optimizer that is not fused updates one tensor at a time on CPU but uses ``foreach`` on CUDA,
-  which holds temporaries the size of all trainable weights: ``device_type="cuda"`` switches such an optimizer
-  to ``foreach`` to predict that. Mixed precision autocasts with the CPU autocast op lists.
+  CUDA alike (bf16 weights: float32 slices, their scratch counted); one that is not fused updates one tensor at a
+  time on CPU but uses ``foreach`` on CUDA, which holds temporaries the size of all trainable weights:
+  ``device_type="cuda"`` switches such an optimizer to ``foreach``. Mixed precision uses the CPU autocast op lists.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """The optimizer a method trains with, from the run's ``--optimizer`` (a class path and its options).
 
 Every method steps one optimizer over the policy's trainable parameters. Without ``--optimizer`` it is
-:class:`StochasticAdamW` (torch's fused AdamW, with stochastic rounding for bf16 weights); with it, any ``torch.optim.Optimizer`` subclass, chosen as in any LightningCLI program::
+:class:`StochasticAdamW` (torch's fused AdamW, with stochastic rounding for bf16 weights); with it, any
+``torch.optim.Optimizer`` subclass, chosen as in any LightningCLI program::
 
     lit-rl fit --config configs/grpo.yaml --optimizer bitsandbytes.optim.AdamW8bit
     # or in YAML:  optimizer: {class_path: bitsandbytes.optim.AdamW8bit, init_args: {betas: [0.9, 0.95]}}
@@ -26,10 +27,11 @@ at most six float32 copies of one slice (24 MiB) whatever the tensor. CUDA's ste
 bf16 weights (``trainer.precision: bf16-true``) rounded to nearest lose every update smaller than half the bf16
 spacing of the weight they change: at a full fine-tuning learning rate of 1e-5 almost every weight
 (``docs/memory.md``, bf16 on the CPU). For them, on any device, the default :class:`StochasticAdamW` and the sliced
-8-bit step update a float32 copy of each slice and write it back with stochastic rounding (:func:`stochastic_round_bf16`: up or down with probabilities that make the expected weight
-the float32 one), which keeps bf16 training close to float32 (Zamirai et al., "Revisiting BFloat16 Training",
-arXiv 2010.06192; torchao's 8-bit AdamW offers the same as ``bf16_stochastic_round``). The random bits come from a
-generator seeded by the step, the tensor's place and the slice, so a run and its resume draw the same ones.
+8-bit step update a float32 copy of each slice and write it back with stochastic rounding
+(:func:`stochastic_round_bf16`: up or down with probabilities that make the expected weight the float32 one), which
+keeps bf16 training close to float32 (Zamirai et al., "Revisiting BFloat16 Training", arXiv 2010.06192; torchao's
+8-bit AdamW offers the same as ``bf16_stochastic_round``). The random bits come from a generator seeded by the step,
+the tensor's place and the slice, so a run and its resume draw the same ones.
 """
 
 from __future__ import annotations
@@ -263,9 +265,7 @@ def keeps_bf16_updates(spec: dict[str, Any] | None) -> bool:
     """
     if spec is None:
         return True  # StochasticAdamW
-    if not str(spec.get("class_path", "")).startswith("bitsandbytes."):
-        return issubclass(optimizer_class(spec["class_path"]), StochasticAdamW)
-    return issubclass(_sliced(optimizer_class(spec["class_path"])), _SlicedStep)
+    return issubclass(_sliced(optimizer_class(spec["class_path"])), (StochasticAdamW, _SlicedStep))
 
 
 @functools.cache
