@@ -26,7 +26,8 @@ config's until one fits without checkpointing, or until halving lowers the peak 
 the peak is weights, gradients and optimizer state, which no micro-batch changes); each size that fits only with
 checkpointing is a candidate at its least checkpointing. A candidate whose roofline floor (computed before its
 estimate, from the config's) is above that of one that fits already is not estimated, nor are the smaller
-micro-batches after it. The fastest candidate by the roofline's floor wins (where the roofline does not model the
+micro-batches after it, nor, once a modelled one fits, one the roofline does not model (a 4-bit base, searched
+last), which ranks after it. The fastest candidate by the roofline's floor wins (where the roofline does not model the
 step, a 4-bit base or a method whose phases it does not know, the fewest passes and least recompute win instead,
 and the table says so). The plan is written as a config fragment for ``lit-rl fit --config C --config plan.yaml``,
 headed by the config it was made for, which the fit checks (:func:`plan_header` / :func:`check_plan_files`).
@@ -142,53 +143,51 @@ def plan(
     if all(module.hparams.get(k) == v for k, v in own.items()):
         own = {}  # the config already recomputes
     nearest = _rounds_bf16_to_nearest(module)  # then bf16 comes only beside adamw8bit: most small updates lost
-    for count in range(len(choices) + 1):
-        for combo in itertools.combinations(choices, count):
-            if nearest and "bf16" in combo and "adamw8bit" not in combo:
-                continue
-            changes = _changes(combo, settings)
-            rows = start = base.estimate.settings["micro_batch_size"]
-            last = lean = None  # lean: the leanest setting, once estimated and fitting
-            while rows >= 1:  # the config's micro-batch, then halves of it
-                overrides = {**changes, **(_micro_batch(module, rows, prompt_row) if rows < start else {})}
-                fastest = min(
-                    (c.seconds for c in found if c.peak <= device_bytes and c.seconds is not None), default=None
-                )
-                bound = _floor_before(module, base, rates, overrides) if fastest is not None else None
-                if bound is not None and bound > fastest:
-                    break  # slower than a candidate that fits, as is every smaller or checkpointed micro-batch
-                plain = _candidate(module, rates, settings, overrides, combo) if (combo or rows < start) else base
-                if plain is not base:
-                    add(plain)
-                if rows == start:  # the rollout's own peak, which no update setting lowers: fewer rows decoded at once
-                    plain, cut = _rollout_fitted(module, rates, settings, overrides, combo, plain, device_bytes, add)
-                    changes.update(cut)
-                    overrides.update(cut)
-                if plain.peak <= device_bytes:
-                    break  # smaller micro-batches fit too, and are slower
-                if last is not None and last - plain.peak < 0.01 * device_bytes:
-                    if lean is not None:  # the leanest setting fits where halving stopped lowering the peak
-                        add(lean)
-                    break  # halving no longer lowers the peak (weights, gradients and state fill it): stop here
-                every, known, recomputed = 0, {}, None
-                leanest = lean if rows == 1 else None  # one row: the leanest setting is this micro-batch's, estimated
-                if not checkpointing_refused(module):
-                    every, known = least_checkpointing(
-                        module, device_bytes, {**settings, **overrides},
-                        {0: plain.estimate, **({1: leanest.estimate} if leanest else {})},
-                    )  # fmt: skip
-                elif own:  # GumbelTopK recomputes its own steps instead (plain does not fit: it would have broken)
-                    recomputed = leanest or _candidate(module, rates, settings, {**overrides, **own}, combo)
-                    add(recomputed)
-                if every:
-                    add(_candidate(module, rates, settings, overrides, combo, every, known[every]))
-                fitted = every or (recomputed is not None and recomputed.peak <= device_bytes)
-                if rows == start and rows > 1 and not fitted:  # nothing fits at the config's micro-batch: if the
-                    lean = _leanest(module, rates, settings, changes, combo, rows, prompt_row, own)  # leanest setting
-                    if lean.peak > device_bytes:  # does not fit either, no smaller micro-batch will
-                        add(lean)  # what this combination reaches at best (an unreachable budget's line names it)
-                        break  # (one that fits is a candidate when the search reaches one row: not estimated again)
-                last, rows = plain.peak, rows // 2 if rows > 1 else 0
+    combos = [c for n in range(len(choices) + 1) for c in itertools.combinations(choices, n)]
+    for combo in sorted(combos, key=lambda c: "nf4" in c):  # the roofline's unmodelled 4-bit base last: it ranks last
+        if nearest and "bf16" in combo and "adamw8bit" not in combo:
+            continue
+        changes = _changes(combo, settings)
+        rows = start = base.estimate.settings["micro_batch_size"]
+        last = lean = None  # lean: the leanest setting, once estimated and fitting
+        while rows >= 1:  # the config's micro-batch, then halves of it
+            overrides = {**changes, **(_micro_batch(module, rows, prompt_row) if rows < start else {})}
+            fastest = min((c.seconds for c in found if c.peak <= device_bytes and c.seconds is not None), default=None)
+            bound = _floor_before(module, base, rates, overrides) if fastest is not None else None
+            if fastest is not None and (bound is None or bound > fastest):  # unmodelled: ranked after (_order)
+                break  # slower than a candidate that fits, as is every smaller or checkpointed micro-batch
+            plain = _candidate(module, rates, settings, overrides, combo) if (combo or rows < start) else base
+            if plain is not base:
+                add(plain)
+            if rows == start:  # the rollout's own peak, which no update setting lowers: fewer rows decoded at once
+                plain, cut = _rollout_fitted(module, rates, settings, overrides, combo, plain, device_bytes, add)
+                changes.update(cut)
+                overrides.update(cut)
+            if plain.peak <= device_bytes:
+                break  # smaller micro-batches fit too, and are slower
+            if last is not None and last - plain.peak < 0.01 * device_bytes:
+                if lean is not None:  # the leanest setting fits where halving stopped lowering the peak
+                    add(lean)
+                break  # halving no longer lowers the peak (weights, gradients and state fill it): stop here
+            every, known, recomputed = 0, {}, None
+            leanest = lean if rows == 1 else None  # one row: the leanest setting is this micro-batch's, estimated
+            if not checkpointing_refused(module):
+                every, known = least_checkpointing(
+                    module, device_bytes, {**settings, **overrides},
+                    {0: plain.estimate, **({1: leanest.estimate} if leanest else {})},
+                )  # fmt: skip
+            elif own:  # GumbelTopK recomputes its own steps instead (plain does not fit: it would have broken)
+                recomputed = leanest or _candidate(module, rates, settings, {**overrides, **own}, combo)
+                add(recomputed)
+            if every:
+                add(_candidate(module, rates, settings, overrides, combo, every, known[every]))
+            fitted = every or (recomputed is not None and recomputed.peak <= device_bytes)
+            if rows == start and rows > 1 and not fitted:  # nothing fits at the config's micro-batch: if the
+                lean = _leanest(module, rates, settings, changes, combo, rows, prompt_row, own)  # leanest setting
+                if lean.peak > device_bytes:  # does not fit either, no smaller micro-batch will
+                    add(lean)  # what this combination reaches at best (an unreachable budget's line names it)
+                    break  # (one that fits is a candidate when the search reaches one row: not estimated again)
+            last, rows = plain.peak, rows // 2 if rows > 1 else 0
     best = min((c for c in found if c.peak <= device_bytes), key=_order, default=None)
     return best, found, base
 
@@ -443,7 +442,8 @@ def check_plan_files(config_files: list[str]) -> None:
 def plan_table(best: Candidate | None, found: list[Candidate], base: Candidate, device_bytes: int) -> str:
     """What the plan turns on, each candidate's peak and time against the config as it is."""
     head = f"plan for {format_bytes(device_bytes)} of tensors (predicted peak, roofline floor at this machine's rates):"
-    lines = [head, f"  {'tactics':<58} {'peak':>11} {'saved':>11} {'time':>8}  fits"]
+    width = max(len(describe(c)) for c in [base, *found])
+    lines = [head, f"  {'tactics':<{width}} {'peak':>11} {'saved':>11} {'time':>8}  fits"]
 
     def time(c: Candidate) -> str:
         if c.seconds is None or base.seconds is None:
@@ -453,7 +453,7 @@ def plan_table(best: Candidate | None, found: list[Candidate], base: Candidate, 
     for c in sorted(found, key=lambda c: (c.peak > device_bytes, _order(c))):
         mark = "  <- plan" if c is best else ""
         lines.append(
-            f"  {describe(c):<58} {format_bytes(c.peak):>11} {format_bytes(base.peak - c.peak):>11} {time(c):>8}  "
+            f"  {describe(c):<{width}} {format_bytes(c.peak):>11} {format_bytes(base.peak - c.peak):>11} {time(c):>8}  "
             f"{'yes' if c.peak <= device_bytes else 'no'}{mark}"
         )
     lines.append("  * changes the arithmetic (allowed by --allow); n/m: time not modelled by the roofline")

@@ -3,7 +3,10 @@ of an 8-layer tiny model and against a real step run with the chosen setting."""
 
 from __future__ import annotations
 
+import math
+import random
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -103,8 +106,54 @@ def test_chosen_k_fits_and_the_next_fewer_checkpointed_layers_do_not(folder, pea
             fewer = [c for c in counts if c < checkpointed_layers(LAYERS, chosen)]
             if fewer:  # the next larger k that checkpoints fewer layers does not fit
                 assert peaks[_smallest_k(fewer[-1])] > budget, (budget, chosen, peaks)
-            # off, every layer, then a binary search over the 5 distinct layer counts
+            # off, every layer, then at most 3 more over the 5 distinct layer counts
             assert len(calls) <= 2 + 3, calls
+
+
+def _profile(layers: int, peak_of_count):
+    """An estimator whose update phase peaks at ``peak_of_count(checkpointed layers)``, and the k it was asked for."""
+    asked: list[int] = []
+
+    def estimate(module, activation_checkpointing: int, **_):
+        asked.append(activation_checkpointing)
+        count = checkpointed_layers(layers, activation_checkpointing)
+        update = peak_of_count(count)
+        settings = {
+            "config": SimpleNamespace(num_hidden_layers=layers),
+            "activation_checkpointing": activation_checkpointing,
+        }
+        return SimpleNamespace(
+            settings=settings, phases={"rollout": 10, "backward": update}, peak_bytes=max(10, update)
+        )
+
+    return estimate, asked
+
+
+@pytest.mark.parametrize("layers", [8, 30, 61])
+def test_the_search_finds_the_least_checkpointing_in_few_estimates(layers, monkeypatch):
+    # against every k, on profiles the estimator can give: linear in the checkpointed layers (the saved activations),
+    # linear with a floor (the recompute's own peak when most layers are checkpointed), and any that never rises
+    rng = random.Random(layers)
+    steps = sorted((rng.randrange(1, 50) for _ in range(layers + 1)), reverse=True)
+    profiles = {
+        "linear": lambda c: 1000 - 20 * c,
+        "floor": lambda c: max(1000 - 35 * c, 1000 - 35 * layers // 2),
+        "random": lambda c: 10 + sum(steps[c:]),
+    }
+    distinct = len({checkpointed_layers(layers, k) for k in range(1, layers + 1)})
+    for name, peak_of_count in profiles.items():
+        estimate, asked = _profile(layers, peak_of_count)
+        monkeypatch.setattr(fit, "estimate_step", estimate)
+        peaks = {k: estimate(None, k).peak_bytes for k in range(layers + 1)}
+        for budget in range(min(peaks.values()), peaks[0] + 1):
+            asked.clear()
+            chosen = choose_checkpointing(None, budget)
+            fitting = [k for k in range(1, layers + 1) if peaks[k] <= budget]
+            least = min(fitting, key=lambda k: (checkpointed_layers(layers, k), k)) if peaks[0] > budget else 0
+            assert chosen == least, (name, budget)
+            if name == "linear" and chosen:  # the straight line's first guess is the boundary: then its neighbour
+                assert len(asked) <= 2 + 2, (budget, asked)
+            assert len(asked) <= 2 + 2 * math.ceil(math.log2(distinct)), (name, budget, asked)
 
 
 def test_none_when_nothing_fits_and_0_when_the_step_fits_without(folder, calls, cache):

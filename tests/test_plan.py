@@ -155,6 +155,19 @@ def test_bf16_under_an_optimizer_that_rounds_to_nearest_is_searched_only_beside_
     assert ("adamw8bit", "bf16") in {c.allowed for c in found} and ("bf16",) not in {c.allowed for c in found}
 
 
+def test_a_4_bit_base_is_searched_only_while_no_modelled_candidate_fits():
+    # the roofline does not time the 4-bit base's dequantization, so its candidates rank after every timed one that
+    # fits (planner._order): once one fits, the 4-bit combinations, searched last, are not estimated at all
+    lora = RefCachedGRPO(name_or_path="tiny:llama", num_generations=4, max_new_tokens=16, lora=LoraSettings(r=4))
+    bf16 = _candidate(lora, RATES, SHAPE, {"precision": "bf16-true"}, ("bf16",))
+    best, found, base = plan(lora, bf16.peak, allow=("bf16", "nf4"), rates=RATES, **SHAPE)
+    assert base.peak > bf16.peak and best.seconds is not None and "bf16" in best.allowed
+    assert not any("nf4" in c.allowed for c in found)
+    best, found, _ = plan(lora, 1024, allow=("bf16", "nf4"), rates=RATES, **SHAPE)  # nothing fits: all searched
+    assert best is None and {("nf4",), ("bf16", "nf4")} <= {c.allowed for c in found}
+    assert min(found, key=lambda c: c.peak).allowed == ("bf16", "nf4")  # the smallest peak the refusal names
+
+
 def _estimate_peak(args: list[str]) -> int:
     estimate, _, _ = estimate_from_args(args)
     return estimate.peak_bytes

@@ -50,10 +50,12 @@ def choose_checkpointing(module, device_bytes: int, baseline: Estimate | None = 
     layers are spread evenly (15, not 29, for two of 30 layers: the recompute of a layer near the top then runs
     while fewer activations below it are held).
 
-    The search assumes what the estimator shows (``tests/testleast_checkpointing.py`` checks it): checkpointing
-    fewer layers never lowers the predicted peak. It is a binary search over the distinct layer counts (about
-    ``2 sqrt(L)`` of them), so an answer takes the estimate without checkpointing, the one with every layer and
-    about ``log2(2 sqrt(L))`` more (4 for 30 layers), each a run of the method's step on fake tensors.
+    The search assumes what the estimator shows (``tests/test_choose_checkpointing.py`` checks it): checkpointing
+    fewer layers never lowers the predicted peak. It searches the distinct layer counts (about ``2 sqrt(L)`` of
+    them) for the boundary, first at the count a straight line between the estimates without checkpointing and with
+    every layer puts it, then at its neighbour across it, then by halves. An answer takes those two estimates and
+    two more where the line is right (the saved activations are nearly linear in the checkpointed layers), at most
+    about ``log2(2 sqrt(L)) + 2``; each is a run of the method's step on fake tensors.
 
     Args:
         module: as for :func:`estimate_step`.
@@ -88,14 +90,38 @@ def least_checkpointing(
     layers = layer_count(known[0].settings["config"])
     counts = {checkpointed_layers(layers, k): k for k in range(layers, 0, -1)}
     options = [counts[c] for c in sorted(counts)]
-    lo, hi = 0, len(options) - 1  # options[hi] fits (k = 1 does)
-    while lo < hi:
-        mid = (lo + hi) // 2
+    lo, hi = 0, len(options) - 1  # options[hi] fits (k = 1 does), nothing below lo does
+    update = [p for p, b in known[0].phases.items() if known[1].phases.get(p) != b]  # the phases checkpointing lowers
+    probe = 0  # the first two probes follow the line (the guess, then its neighbour across the boundary), then every
+    while lo < hi:  # other one halves the range, so a bent profile costs at most about twice a bisection
+        if probe >= 2 and probe % 2 == 0:
+            mid = (lo + hi) // 2
+        else:  # where a straight line through the nearest estimates either side of the boundary crosses the budget
+            below = known[options[lo - 1]] if lo else known[0]
+            mid = min(hi - 1, max(lo, _crossing(below, known[options[hi]], update, device_bytes, sorted(counts))))
         if fits(options[mid]):
             hi = mid
         else:
             lo = mid + 1
+        probe += 1
     return options[hi], known
+
+
+def _crossing(high: Estimate, low: Estimate, update: list[str], device_bytes: int, counts: list[int]) -> int:
+    """The index in ``counts`` (checkpointed layer counts, ascending) of the fewest layers whose checkpointing fits,
+    were the update phases' peak linear in the checkpointed layers between the estimates ``high`` (fewer layers
+    checkpointed, does not fit) and ``low`` (fits): each checkpointed layer keeps its input instead of its
+    activations. A guess: a wrong one costs estimates, not the answer."""
+    c_high, c_low = _checkpointed(high), _checkpointed(low)
+    p_high, p_low = (max((e.phases[p] for p in update), default=e.peak_bytes) for e in (high, low))
+    if p_high <= p_low or c_low <= c_high:
+        return (len(counts) - 1) // 2
+    needed = c_high + (c_low - c_high) * (p_high - device_bytes) / (p_high - p_low)
+    return next((i for i, c in enumerate(counts) if c >= needed), len(counts) - 1)
+
+
+def _checkpointed(e: Estimate) -> int:
+    return checkpointed_layers(layer_count(e.settings["config"]), e.settings["activation_checkpointing"])
 
 
 def layer_count(config: Any) -> int:
