@@ -1,4 +1,4 @@
-"""Which 8-bit AdamW: state bytes, step time and drift from fp32 AdamW, on the trainable weights of a real model.
+"""Which AdamW: state bytes, step time and drift from fp32 AdamW, on the trainable weights of a real model.
 
 Each optimizer steps the same copy of the model's weights with the same seeded random gradients for ``--steps``
 steps; what it holds afterwards is its state (bytes counted from the state tensors' storages, which do not depend
@@ -7,7 +7,13 @@ and torchao compiles its step there; it is given separately), and its drift is h
 fp32 AdamW's, relative to how far fp32 AdamW moved them: ``|w - w_adamw| / |w_adamw - w_0|`` over all weights.
 
     nice -n 10 python bench/bench_optimizer.py            # embedded SmolLM2-135M, full fine-tuning, 20 steps
+    nice -n 10 python bench/bench_optimizer.py --dtype bfloat16 --lr 1e-5   # bf16 weights (bf16-true), configs' lr
     python bench/bench_optimizer.py --quick               # tiny random model, 3 steps: a smoke test
+
+With ``--dtype bfloat16`` the weights are bf16, as under ``trainer.precision: bf16-true``, and the drift is from fp32
+AdamW stepping float32 copies of the same weights: what each optimizer's rounding loses. The rows are torch's fused
+AdamW (bf16 state, weights rounded to nearest), lit-rl's default ``StochasticAdamW`` and the 8-bit step as lit-rl
+runs it (both round stochastically); written to ``bench/results/optimizer_bf16.md`` and ``.json``.
 
 torchao's ``AdamW8bit`` is measured where torchao is installed (it is no dependency of lit-rl); bitsandbytes' is
 what ``--optimizer bitsandbytes.optim.AdamW8bit`` runs (the ``qlora`` extra). Writes
@@ -34,6 +40,11 @@ CANDIDATES = {  # name: (import path, keyword arguments); lit-rl's rows are buil
     "bitsandbytes AdamW8bit, whole tensors": ("bitsandbytes.optim.AdamW8bit", {}),
     "bitsandbytes AdamW8bit as lit-rl steps it": ("lit-rl:bitsandbytes.optim.AdamW8bit", {}),
     "torchao AdamW8bit": ("torchao.optim.AdamW8bit", {}),
+}
+BF16_CANDIDATES = {
+    "torch AdamW (fused, rounds to nearest)": ("torch.optim.AdamW", {"fused": True}),
+    "StochasticAdamW (lit-rl's default)": ("lit_rl.models.StochasticAdamW", {"fused": True}),
+    "bitsandbytes AdamW8bit as lit-rl steps it": ("lit-rl:bitsandbytes.optim.AdamW8bit", {}),
 }
 RESULTS = harness.ROOT / "bench" / "results"
 
@@ -66,14 +77,14 @@ def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
     return total
 
 
-def measure(cls, kwargs: dict, start: list[torch.Tensor], steps: int, lr: float) -> dict:
-    params = [torch.nn.Parameter(w.clone()) for w in start]
+def measure(cls, kwargs: dict, start: list[torch.Tensor], steps: int, lr: float, dtype=torch.float32) -> dict:
+    params = [torch.nn.Parameter(w.to(dtype, copy=True)) for w in start]
     optimizer = cls(params, lr=lr, weight_decay=0.0, **kwargs)
     generator = torch.Generator().manual_seed(0)
     times, scratch = [], []
     for _ in range(steps):
         for p in params:
-            p.grad = torch.randn(p.shape, generator=generator) * 1e-3
+            p.grad = (torch.randn(p.shape, generator=generator) * 1e-3).to(dtype)
         before = read_rss() if reset_peak_rss() else None
         began = time.perf_counter()
         optimizer.step()
@@ -94,59 +105,70 @@ def main() -> None:
     parser.add_argument("--model", default="embedded")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="the weights' dtype")
     parser.add_argument("--quick", action="store_true", help="tiny random model, 3 steps, results not written")
     args = parser.parse_args()
+    dtype, bf16 = getattr(torch, args.dtype), args.dtype == "bfloat16"
     model, steps = ("tiny:llama", 3) if args.quick else (args.model, args.steps)
     torch.manual_seed(0)
     start = [p.detach().clone() for p in load_causal_lm(model, dtype="float32").parameters() if p.requires_grad]
     n = sum(w.numel() for w in start)
     loads, rows = [harness.load_average()], []
-    reference = None
-    for name, (path, kwargs) in CANDIDATES.items():
+    # the drift's reference: fp32 AdamW on float32 weights (the first row of the float32 table)
+    reference = measure(torch.optim.AdamW, {"fused": True}, start, steps, args.lr)["weights"] if bf16 else None
+    for name, (path, kwargs) in (BF16_CANDIDATES if bf16 else CANDIDATES).items():
         cls = _import(path)
         if cls is None:
             rows.append({"optimizer": name, "class_path": path, "installed": False})
             continue
-        result = measure(cls, kwargs, start, steps, args.lr)
+        result = measure(cls, kwargs, start, steps, args.lr, dtype)
         weights = result.pop("weights")
         if reference is None:
             reference = weights
         moved = sum((r - w0).double().square().sum() for r, w0 in zip(reference, start)).sqrt()
-        off = sum((w - r).double().square().sum() for w, r in zip(weights, reference)).sqrt()
+        off = sum((w.double() - r.double()).square().sum() for w, r in zip(weights, reference)).sqrt()
+        # the share of fp32 AdamW's update each one made, on average over the weights: its update projected on fp32's
+        kept = sum(((w.double() - w0.to(dtype).double()) * (r - w0).double()).sum()
+                   for w, r, w0 in zip(weights, reference, start)) / moved.square()  # fmt: skip
         rows.append({"optimizer": name, "class_path": path, "installed": True,
-                     "bytes_per_weight": result["state_bytes"] / n, "drift": float(off / moved), **result})  # fmt: skip
+                     "bytes_per_weight": result["state_bytes"] / n, "drift": float(off / moved), "kept": float(kept),
+                     **result})  # fmt: skip
     loads.append(harness.load_average())
     lines = harness.header_lines(
-        "8-bit AdamW: state bytes, step time and drift from fp32 AdamW",
-        "nice -n 10 python bench/bench_optimizer.py",
+        f"{'AdamW on bf16 weights' if bf16 else '8-bit AdamW'}: state bytes, step time and drift from fp32 AdamW",
+        f"nice -n 10 python bench/bench_optimizer.py{f' --dtype bfloat16 --lr {args.lr:g}' if bf16 else ''}",
         dists=("torch", "bitsandbytes", "torchao"),
         loads=loads,
     )
     lines += [
-        f"Model `{model}`, full fine-tuning: {n:,} trained weights, {steps} steps of seeded random gradients (std "
-        f"1e-3), lr {args.lr}. Tensor bytes do not depend on the machine; times do. Drift: distance of the weights "
+        f"Model `{model}`, full fine-tuning: {n:,} trained {args.dtype} weights, {steps} steps of seeded random "
+        f"gradients (std 1e-3), lr {args.lr:g}. Tensor bytes do not depend on the machine; times do. Drift: distance of the weights "
         "from fp32 AdamW's after the steps, relative to the distance fp32 AdamW moved them. Step scratch: the most "
         "a step after the first raised peak RSS above the RSS it began with (the kernel's high-water mark, reset "
         "before each step): memory an operator allocates inside, which tensor accounting cannot see; it does not "
-        "depend on load.",
+        "depend on load. Update kept: each optimizer's update projected on fp32 AdamW's, over the square of fp32 "
+        "AdamW's: 1 where it moves the weights as far as fp32 AdamW does on average (its noise aside), below 1 where "
+        "rounding loses updates.",
         "",
         "| optimizer | `--optimizer` | state (MiB) | bytes / weight | step scratch (MiB) | first step (s) "
-        "| step (s, median) | drift |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| step (s, median) | drift | update kept |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         if not r["installed"]:
-            lines.append(f"| {r['optimizer']} | `{r['class_path']}` | not installed | | | | | |")
+            lines.append(f"| {r['optimizer']} | `{r['class_path']}` | not installed | | | | | | |")
             continue
         scratch = "n/a" if r["step_scratch_bytes"] is None else f"{r['step_scratch_bytes'] / 2**20:.0f}"
         lines.append(
             f"| {r['optimizer']} | `{r['class_path'].removeprefix('lit-rl:')}` | {r['state_bytes'] / 2**20:.1f} "
-            f"| {r['bytes_per_weight']:.3f} | {scratch} | {r['first_step_s']:.3f} | {r['step_s']:.3f} | {r['drift']:.4f} |"
+            f"| {r['bytes_per_weight']:.3f} | {scratch} | {r['first_step_s']:.3f} | {r['step_s']:.3f} | {r['drift']:.4f} "
+            f"| {r['kept']:.3f} |"
         )
     print("\n".join(lines))
     if not args.quick:
-        (RESULTS / "optimizer.md").write_text("\n".join(lines) + "\n")
-        (RESULTS / "optimizer.json").write_text(json.dumps({"model": model, "weights": n, "rows": rows}, indent=1))
+        stem = "optimizer_bf16" if bf16 else "optimizer"
+        (RESULTS / f"{stem}.md").write_text("\n".join(lines) + "\n")
+        (RESULTS / f"{stem}.json").write_text(json.dumps({"model": model, "weights": n, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

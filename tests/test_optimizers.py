@@ -154,15 +154,17 @@ def test_stochastic_rounding_picks_a_neighbour_with_the_right_odds():
     assert bool((error <= 5 * (p * (1 - p) / 4000).sqrt() * (high - low) + 1e-300).all())
 
 
+@pytest.mark.parametrize("shape", [(3000, 11), (400, 10)], ids=["8-bit moments", "fp32 moments, under min_8bit_size"])
 @pytest.mark.parametrize(
     "device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
 )
-def test_bf16_weights_keep_learning_under_the_8bit_step_rounded_stochastically(device):
+def test_bf16_weights_keep_learning_under_the_8bit_step_rounded_stochastically(device, shape):
     """Updates far below the bf16 spacing: bitsandbytes' own step leaves the bf16 weights where they were, lit-rl's
-    moves them as the float32 weights move on average; the same seeds give the same weights."""
+    moves them as the float32 weights move on average; the same seeds give the same weights. Also for a tensor small
+    enough (a norm's, a bias) that bitsandbytes keeps its moments in fp32."""
     pytest.importorskip("bitsandbytes")
     torch.manual_seed(0)
-    start = torch.randn(3000, 11) * 0.1
+    start = torch.randn(*shape) * 0.1
     spec = {"class_path": "bitsandbytes.optim.AdamW8bit"}
 
     def train(dtype, build):

@@ -39,7 +39,6 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
-import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -114,6 +113,11 @@ def stochastic_round_bf16(values: torch.Tensor, generator: torch.Generator | Non
     it is to each (so the expected result is ``values``): uniform random low 16 bits are added to the float32 bits,
     which then lose their low 16 bits (magnitude rounding; the sign bit is untouched)."""
     noise = torch.randint(0, 1 << 16, values.shape, dtype=torch.int32, device=values.device, generator=generator)
+    return _rounded_bf16(values, noise)
+
+
+def _rounded_bf16(values: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """:func:`stochastic_round_bf16` with its 16 random bits per value given (``noise``, int32 in [0, 2^16))."""
     return ((values.view(torch.int32) + noise) & -(1 << 16)).view(torch.float32).to(torch.bfloat16)
 
 
@@ -124,11 +128,12 @@ class StochasticAdamW(torch.optim.AdamW):
     the second moment rounded to nearest, so an update below half the weight's bf16 spacing is lost (most of them
     at a learning rate of 1e-5), and the second moment, which moves by ``1 - beta2`` = 0.1% of itself per step
     (less than half its own bf16 spacing), cannot decay. Here each bf16 weight is stepped :data:`SLICE_VALUES` values
-    at a time: the slice's weight, gradient and moments as float32 copies (16 MiB of scratch at most), torch's
-    decoupled-decay AdamW arithmetic on them, and the weight and the second moment written back with
-    :func:`stochastic_round_bf16` (the first moment moves by 10% per step; it is rounded to nearest). The state has
-    torch's keys, dtypes and bytes (``step`` a Python int for the stepped tensors). Every other tensor takes torch's
-    own (fused) step. ``amsgrad``, ``maximize`` and ``capturable`` are torch's alone: refused here.
+    at a time: the slice's weight, gradient and moments as float32 copies (16 MiB of scratch at most), torch's own
+    fused AdamW kernel on them, and the weight and the second moment written back with stochastic rounding
+    (:func:`stochastic_round_bf16`; one random draw of 32 bits gives both their 16 bits; the first moment moves by
+    10% per step: it is rounded to nearest). The state has torch's keys, dtypes and bytes (``step`` a Python int for
+    the stepped tensors). Every other tensor takes torch's own (fused) step. ``amsgrad``, ``maximize`` and
+    ``capturable`` are torch's alone: refused here.
     """
 
     def __init__(self, params, lr: float = 1e-3, weight_decay: float = 1e-2, **kwargs: Any) -> None:
@@ -164,21 +169,20 @@ class StochasticAdamW(torch.optim.AdamW):
             state.update(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
         state["step"] = step = int(state["step"]) + 1
         lr, (beta1, beta2), eps, decay = float(group["lr"]), group["betas"], group["eps"], group["weight_decay"]
-        correction1, root2 = 1 - beta1**step, math.sqrt(1 - beta2**step)
         kept = [_local(t) for t in (p.detach(), state["exp_avg"], state["exp_avg_sq"])]  # a shard's own values
         weights, first, second = (t.view(-1) if t.is_contiguous() else t.reshape(-1) for t in kept)
         grads = _local(p.grad).reshape(-1)
+        steps = torch.tensor(float(step), device=weights.device)
         for start in range(0, weights.numel(), SLICE_VALUES):
             values = slice(start, start + SLICE_VALUES)
             w, g, m, v = (t[values].float() for t in (weights, grads, first, second))
-            w.mul_(1 - lr * decay)
-            m.lerp_(g, 1 - beta1)
-            v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-            w.addcdiv_(m, v.sqrt().div_(root2).add_(eps), value=-lr / correction1)
+            torch._fused_adamw_([w], [g], [m], [v], [], [steps], lr=lr, beta1=beta1, beta2=beta2,  # torch's kernel
+                                weight_decay=decay, eps=eps, amsgrad=False, maximize=False)  # fmt: skip
             seed = hash((gindex, pindex, step, start)) & (2**63 - 1)
             generator = torch.Generator(device=weights.device).manual_seed(seed)
-            weights[values] = stochastic_round_bf16(w, generator)
-            second[values] = stochastic_round_bf16(v, generator)
+            bits = torch.randint(-(1 << 31), 1 << 31, w.shape, dtype=torch.int32, device=w.device, generator=generator)
+            weights[values] = _rounded_bf16(w, bits & 0xFFFF)  # one draw of 32 bits: 16 for the weight,
+            second[values] = _rounded_bf16(v, (bits >> 16) & 0xFFFF)  # 16 for the second moment
             first[values] = m
         for tensor, flat in zip(kept, (weights, first, second), strict=True):
             if not tensor.is_contiguous():  # reshape copied it
@@ -204,8 +208,10 @@ class _SlicedStep:
 
     What bitsandbytes' own ``update_step`` passes to ``optimizer_update_8bit_blockwise`` for the whole tensor is
     passed for one :data:`SLICE_VALUES` of it at a time (views, which the operator updates in place), on a CPU,
-    and for bf16 weights on any device, whose slice is stepped as a float32 copy and rounded back stochastically;
-    anything else (float32 weights on CUDA, fp32 state of small tensors, AdEMAMix's stacked state) is bitsandbytes'
+    and for bf16 weights on any device, whose slice is stepped as a float32 copy and rounded back stochastically. A
+    bf16 weight whose moments bitsandbytes keeps in fp32 (fewer than ``min_8bit_size`` values: norms, biases) is
+    stepped whole as a float32 copy by bitsandbytes' 32-bit operator and rounded back stochastically too. Anything
+    else (float32 weights on CUDA, fp32 state of small float32 tensors, AdEMAMix's stacked state) is bitsandbytes'
     own step.
     """
 
@@ -214,6 +220,8 @@ class _SlicedStep:
         state = self.state[p]
         absmax = state.get("absmax1")
         rounded = p.dtype == torch.bfloat16
+        if rounded and state["state1"].dtype == torch.float32:
+            return self._rounded_32bit(p, gindex, pindex)
         sliced = rounded or (p.device.type == "cpu" and p.numel() > SLICE_VALUES)
         if absmax is None or absmax.ndim != 1 or not sliced:
             return super().update_step(group, p, gindex, pindex)
@@ -256,6 +264,23 @@ class _SlicedStep:
                 generator = torch.Generator(device=p.device).manual_seed(seed)
                 weights[values] = stochastic_round_bf16(stepped, generator)
         return None
+
+    def _rounded_32bit(self, p, gindex: int, pindex: int) -> None:
+        """What bitsandbytes' ``update_step`` passes to ``optimizer_update_32bit``, with a float32 copy of the bf16
+        weight and gradient, and the weight rounded back stochastically."""
+        from bitsandbytes import functional
+
+        state, config = self.state[p], self.get_config(gindex, pindex, self.param_groups[gindex])
+        state["step"] += 1
+        stepped, betas = p.data.float(), config["betas"]
+        functional.optimizer_update_32bit(
+            self.optimizer_name, p.grad.float(), stepped, state["state1"], betas[0], config["eps"], state["step"],
+            config["lr"], state.get("state2"), betas[1], betas[2] if len(betas) >= 3 else 0.0, config.get("alpha", 0.0),
+            config["weight_decay"], 1.0, state["unorm_vec"] if config["max_unorm"] > 0.0 else None,
+            max_unorm=config["max_unorm"], skip_zeros=config["skip_zeros"],
+        )  # fmt: skip
+        generator = torch.Generator(device=p.device).manual_seed(hash((gindex, pindex, state["step"])) & (2**63 - 1))
+        p.data.copy_(stochastic_round_bf16(stepped, generator))
 
 
 def keeps_bf16_updates(spec: dict[str, Any] | None) -> bool:
