@@ -134,8 +134,8 @@ def plan(
         choices.remove("nf4")  # needs LoRA: a full fine-tuning config cannot use it
     if "adamw8bit" in choices and settings.get("rollout_gather") is not None:  # sharded (FSDP2)
         choices.remove("adamw8bit")  # bitsandbytes' 8-bit AdamW does not step sharded (FSDP2) weights
-    if "bf16" in choices and settings.get("precision") == "bf16-true":
-        choices.remove("bf16")  # the config is bf16 already: the combination would repeat the one without it
+    bf16_config = settings.get("precision") == "bf16-true"  # bf16 would repeat the config; its reference is bf16
+    choices = [c for c in choices if not (bf16_config and c in ("bf16", "reference_bf16"))]
     if "reference_bf16" in choices and (module.uses_lora or not module.needs_reference):
         choices.remove("reference_bf16")  # LoRA's reference is the base itself: there is no copy
     prompt_row = base.estimate.settings["sequence_length"]
@@ -145,8 +145,8 @@ def plan(
     nearest = _rounds_bf16_to_nearest(module)  # then bf16 comes only beside adamw8bit: most small updates lost
     combos = [c for n in range(len(choices) + 1) for c in itertools.combinations(choices, n)]
     for combo in sorted(combos, key=lambda c: "nf4" in c):  # the roofline's unmodelled 4-bit base last: it ranks last
-        if nearest and "bf16" in combo and "adamw8bit" not in combo:
-            continue
+        if "bf16" in combo and ("reference_bf16" in combo or (nearest and "adamw8bit" not in combo)):
+            continue  # bf16 weights' reference copy is bf16 already; (nearest) most small updates lost
         changes = _changes(combo, settings)
         rows = start = base.estimate.settings["micro_batch_size"]
         last = lean = None  # lean: the leanest setting, once estimated and fitting

@@ -127,8 +127,11 @@ def test_an_unreachable_budget_names_the_smallest_peak(method):
 
 
 def test_bf16_is_not_searched_for_a_config_in_bf16_already(method):
-    best, found, _ = plan(method, 1024, allow=("bf16",), rates=RATES, precision="bf16-true", **SHAPE)
+    # nor a bf16 reference copy: under bf16 weights the copy is bf16 already (reference_dtype "same")
+    best, found, _ = plan(method, 1024, allow=("bf16", "reference_bf16"), rates=RATES, precision="bf16-true", **SHAPE)
     assert best is None and len(found) == 2 and all(not c.allowed for c in found)  # the config and its leanest
+    _, found, _ = plan(method, 1024, allow=("bf16", "reference_bf16"), rates=RATES, **SHAPE)
+    assert {c.allowed for c in found} == {(), ("bf16",), ("reference_bf16",)}  # never both
 
 
 def test_bf16_under_an_optimizer_that_rounds_to_nearest_is_searched_only_beside_the_8_bit_step(method, tight):
