@@ -54,8 +54,9 @@ def choose_checkpointing(module, device_bytes: int, baseline: Estimate | None = 
     fewer layers never lowers the predicted peak. It searches the distinct layer counts (about ``2 sqrt(L)`` of
     them) for the boundary, first at the count a straight line between the estimates without checkpointing and with
     every layer puts it, then at its neighbour across it, then by halves. An answer takes those two estimates and
-    two more where the line is right (the saved activations are nearly linear in the checkpointed layers), at most
-    about ``log2(2 sqrt(L)) + 2``; each is a run of the method's step on fake tensors.
+    two more where the line is right (the saved activations are nearly linear in the checkpointed layers), and,
+    as every other probe after those halves the range, at most about twice a bisection's ``log2(2 sqrt(L))`` where
+    it is not; each is a run of the method's step on fake tensors.
 
     Args:
         module: as for :func:`estimate_step`.
