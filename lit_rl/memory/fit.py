@@ -90,7 +90,8 @@ def least_checkpointing(
     # per distinct layer count, fewest first, the smallest k giving it; k = 1 (every layer) last
     layers = layer_count(known[0].settings["config"])
     counts = {checkpointed_layers(layers, k): k for k in range(layers, 0, -1)}
-    options = [counts[c] for c in sorted(counts)]
+    ordered = sorted(counts)
+    options = [counts[c] for c in ordered]
     lo, hi = 0, len(options) - 1  # options[hi] fits (k = 1 does), nothing below lo does
     update = [p for p, b in known[0].phases.items() if known[1].phases.get(p) != b]  # the phases checkpointing lowers
     probe = 0  # the first two probes follow the line (the guess, then its neighbour across the boundary), then every
@@ -98,8 +99,9 @@ def least_checkpointing(
         if probe >= 2 and probe % 2 == 0:
             mid = (lo + hi) // 2
         else:  # where a straight line through the nearest estimates either side of the boundary crosses the budget
-            below = known[options[lo - 1]] if lo else known[0]
-            mid = min(hi - 1, max(lo, _crossing(below, known[options[hi]], update, device_bytes, sorted(counts))))
+            below = (ordered[lo - 1], known[options[lo - 1]]) if lo else (0, known[0])
+            above = (ordered[hi], known[options[hi]])
+            mid = min(hi - 1, max(lo, _crossing(below, above, update, device_bytes, ordered)))
         if fits(options[mid]):
             hi = mid
         else:
@@ -108,21 +110,19 @@ def least_checkpointing(
     return options[hi], known
 
 
-def _crossing(high: Estimate, low: Estimate, update: list[str], device_bytes: int, counts: list[int]) -> int:
+def _crossing(
+    high: tuple[int, Estimate], low: tuple[int, Estimate], update: list[str], device_bytes: int, counts: list[int]
+) -> int:
     """The index in ``counts`` (checkpointed layer counts, ascending) of the fewest layers whose checkpointing fits,
-    were the update phases' peak linear in the checkpointed layers between the estimates ``high`` (fewer layers
-    checkpointed, does not fit) and ``low`` (fits): each checkpointed layer keeps its input instead of its
+    were the update phases' peak linear in the checkpointed layers between ``high`` (a count and its estimate: fewer
+    layers checkpointed, does not fit) and ``low`` (fits): each checkpointed layer keeps its input instead of its
     activations. A guess: a wrong one costs estimates, not the answer."""
-    c_high, c_low = _checkpointed(high), _checkpointed(low)
-    p_high, p_low = (max((e.phases[p] for p in update), default=e.peak_bytes) for e in (high, low))
+    (c_high, high_estimate), (c_low, low_estimate) = high, low
+    p_high, p_low = (max((e.phases[p] for p in update), default=e.peak_bytes) for e in (high_estimate, low_estimate))
     if p_high <= p_low or c_low <= c_high:
         return (len(counts) - 1) // 2
     needed = c_high + (c_low - c_high) * (p_high - device_bytes) / (p_high - p_low)
     return next((i for i, c in enumerate(counts) if c >= needed), len(counts) - 1)
-
-
-def _checkpointed(e: Estimate) -> int:
-    return checkpointed_layers(layer_count(e.settings["config"]), e.settings["activation_checkpointing"])
 
 
 def layer_count(config: Any) -> int:

@@ -178,8 +178,7 @@ class StochasticAdamW(torch.optim.AdamW):
             w, g, m, v = (t[values].float() for t in (weights, grads, first, second))
             torch._fused_adamw_([w], [g], [m], [v], [], [steps], lr=lr, beta1=beta1, beta2=beta2,  # torch's kernel
                                 weight_decay=decay, eps=eps, amsgrad=False, maximize=False)  # fmt: skip
-            seed = hash((gindex, pindex, step, start)) & (2**63 - 1)
-            generator = torch.Generator(device=weights.device).manual_seed(seed)
+            generator = _generator(weights.device, gindex, pindex, step, start)
             bits = torch.randint(-(1 << 31), 1 << 31, w.shape, dtype=torch.int32, device=w.device, generator=generator)
             weights[values] = _rounded_bf16(w, bits & 0xFFFF)  # one draw of 32 bits: 16 for the weight,
             second[values] = _rounded_bf16(v, (bits >> 16) & 0xFFFF)  # 16 for the second moment
@@ -187,6 +186,12 @@ class StochasticAdamW(torch.optim.AdamW):
         for tensor, flat in zip(kept, (weights, first, second), strict=True):
             if not tensor.is_contiguous():  # reshape copied it
                 tensor.copy_(flat.view_as(tensor))
+
+
+def _generator(device: torch.device, *place: int) -> torch.Generator:
+    """The stochastic rounding's random bits for ``place`` (group, tensor, step and, sliced, the slice's start): seeded
+    by it alone, so a run and its resume draw the same ones."""
+    return torch.Generator(device=device).manual_seed(hash(place) & (2**63 - 1))
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -221,7 +226,7 @@ class _SlicedStep:
         absmax = state.get("absmax1")
         rounded = p.dtype == torch.bfloat16
         if rounded and state["state1"].dtype == torch.float32:
-            return self._rounded_32bit(p, gindex, pindex)
+            return self._rounded_32bit(group, p, gindex, pindex)
         sliced = rounded or (p.device.type == "cpu" and p.numel() > SLICE_VALUES)
         if absmax is None or absmax.ndim != 1 or not sliced:
             return super().update_step(group, p, gindex, pindex)
@@ -260,17 +265,17 @@ class _SlicedStep:
                 skip_zeros=config["skip_zeros"],
             )
             if rounded:
-                seed = hash((gindex, pindex, state["step"], start)) & (2**63 - 1)
-                generator = torch.Generator(device=p.device).manual_seed(seed)
-                weights[values] = stochastic_round_bf16(stepped, generator)
+                weights[values] = stochastic_round_bf16(
+                    stepped, _generator(p.device, gindex, pindex, state["step"], start)
+                )
         return None
 
-    def _rounded_32bit(self, p, gindex: int, pindex: int) -> None:
+    def _rounded_32bit(self, group, p, gindex: int, pindex: int) -> None:
         """What bitsandbytes' ``update_step`` passes to ``optimizer_update_32bit``, with a float32 copy of the bf16
         weight and gradient, and the weight rounded back stochastically."""
         from bitsandbytes import functional
 
-        state, config = self.state[p], self.get_config(gindex, pindex, self.param_groups[gindex])
+        state, config = self.state[p], self.get_config(gindex, pindex, group)
         state["step"] += 1
         stepped, betas = p.data.float(), config["betas"]
         functional.optimizer_update_32bit(
@@ -279,8 +284,7 @@ class _SlicedStep:
             config["weight_decay"], 1.0, state["unorm_vec"] if config["max_unorm"] > 0.0 else None,
             max_unorm=config["max_unorm"], skip_zeros=config["skip_zeros"],
         )  # fmt: skip
-        generator = torch.Generator(device=p.device).manual_seed(hash((gindex, pindex, state["step"])) & (2**63 - 1))
-        p.data.copy_(stochastic_round_bf16(stepped, generator))
+        p.data.copy_(stochastic_round_bf16(stepped, _generator(p.device, gindex, pindex, state["step"])))
 
 
 def keeps_bf16_updates(spec: dict[str, Any] | None) -> bool:
