@@ -1,49 +1,31 @@
 """Policy-update memory benchmark: logits-free lit-rl against full-logits code, for GRPO and Intuitor.
 
-Measures whether the logits still set the peak of a policy update, with
-:class:`lit_rl.memory.tracker.TensorMemoryTracker` (exact bytes held by CPU tensors, resident weights included;
-no allocator caching or fragmentation):
+Measures whether the logits still set the peak of a policy update, with ``lit_rl.memory.TensorMemoryTracker`` (exact
+bytes held by CPU tensors, resident weights included; no allocator caching or fragmentation), on a Qwen2-shaped random
+model (Qwen2.5-0.5B's hidden size, heads, MLP width and tied embeddings, fewer layers so that it runs on a CPU):
 
-(A) Peak tensor memory of ONE policy update (forward + GRPO loss + backward; no optimizer
-    step) of a Qwen2-shaped model (Qwen2.5-0.5B's hidden size, heads, MLP width and tied embeddings,
-    fewer layers so that it runs on a CPU) at vocab 32,000 and 151,936, same tokens, in two settings:
+(A) ONE policy update (forward + GRPO loss + backward; no optimizer step) at vocab 32,000 and 151,936, same tokens,
+    ``frozen-head`` (LM head and embeddings frozen, trunk trained: what LoRA training looks like to the vocabulary)
+    and ``full-ft`` (everything trained, so the tied ``[V, H]`` weight gets a float32 gradient that no implementation
+    can avoid; it has its own column). ``lit-rl logits-free``: trunk hidden states -> ``lit_rl.ops.token_stats``
+    through ``RefCachedGRPO.completion_stats`` -> ``grpo_loss``; ``full-logits``: ``model(...).logits.float() ->
+    log_softmax -> gather -> grpo_loss``, TRL-style, with ``logits_to_keep`` (the fairest form of it).
 
-    - ``frozen-head``: LM head and embeddings frozen, trunk trained (what LoRA training looks like
-      to the vocabulary: no ``[V, H]`` gradient);
-    - ``full-ft``: everything trained, so the tied ``[V, H]`` weight gets a float32 gradient that
-      no implementation can avoid; it is reported in its own column.
+(B) Intuitor, ``frozen-head``, vocab 151,936. ``lit-rl Intuitor``: a no-grad reference pass, a no-grad policy pass
+    giving old log-probs and self-certainty together (``token_stats(..., self_certainty=True)``, as
+    ``Intuitor.score_rollout`` does), self-certainty as the reward, then the GRPO update. ``lit-rl RefCachedGRPO``:
+    the reference pass, then the same update. ``full-logits Intuitor`` (as open-r1 / verl Intuitor code does it): a
+    full-logits reference pass, then an update whose grad-carrying ``[B, C, V]`` float32 logits give both the
+    log-probs and the self-certainty (``logsumexp - mean``).
 
-    Implementations: ``lit-rl logits-free`` (trunk hidden states -> ``lit_rl.ops.token_stats``
-    through :meth:`lit_rl.methods.RefCachedGRPO.completion_stats` -> ``grpo_loss``) and
-    ``full-logits`` (``model(...).logits.float() -> log_softmax -> gather -> grpo_loss``, TRL-style,
-    with ``logits_to_keep`` so only completion positions get logits: the fairest form of it).
+``above resident`` (total peak minus the parameter bytes at the start) is what the update allocates: the weights are
+the same for every implementation but grow with the vocabulary, so "the logits no longer set the peak" is judged on
+it, total-peak ratios beside it. The reference passes use the policy's own weights under ``no_grad`` in eval mode,
+what the LoRA reference (adapters disabled) costs; a full fine-tuning run's frozen copy would add the same resident
+bytes to every method.
 
-(B) Intuitor. ``lit-rl Intuitor``: a no-grad reference pass (log-probs), a no-grad policy
-    pass giving old log-probs and self-certainty together (``token_stats(..., self_certainty=True)``,
-    as ``Intuitor.score_rollout`` does), self-certainty as the reward, then the GRPO update.
-    ``lit-rl RefCachedGRPO``: the no-grad reference pass, then the same update. ``full-logits
-    Intuitor`` (the way open-r1 / verl Intuitor code does it): a full-logits no-grad reference pass,
-    then an update whose ``[B, C, V]`` float32 logits carry gradient and give both the log-probs and
-    the self-certainty (``logsumexp - mean``). Setting ``frozen-head``, vocab 151,936.
-
-Definitions printed with the tables:
-
-- ``resident``: bytes of the parameters when the measurement starts (no gradients yet).
-- ``total peak``: highest bytes held by tensors during the phase, resident weights included.
-- ``above resident``: ``total peak - resident``: what the update allocates (activations, logits,
-  temporaries, gradients). The weights are the same for every implementation and grow with the
-  vocabulary (the tied ``[V, H]`` embedding), so "the logits no longer set the peak" is judged on
-  this number; total-peak ratios are printed beside it.
-
-The reference passes use the policy's own weights under ``no_grad`` in eval mode, which is what the
-LoRA reference (adapters disabled) costs; a full fine-tuning run would hold a frozen copy as well,
-the same resident bytes for every method compared here.
-
-(S) ``--point``: one point of the vocabulary and length sweeps (``bench/sweeps.py`` runs one fresh process per
-    point): LoRA r16 on all linear layers (``LoraSettings()``), the no-grad ``reference`` pass and the ``update``
-    under one measurement, for both implementations, with ``estimate_step``'s first-step prediction for
-    ``RefCachedGRPO`` at the same shapes beside them; on CUDA the allocator's ``max_memory_allocated`` per phase.
-    Printed as one JSON line after ``POINT``.
+(S) ``--point``: one point of the vocabulary and length sweeps (``bench/sweeps.py``, whose docstring says what a point
+    measures, runs one fresh process per point), printed as one JSON line after ``POINT``.
 
 Run (prints markdown tables; about 5 minutes on 2 CPU cores; ``--out`` also writes them as a results file)::
 
@@ -63,14 +45,13 @@ import platform
 import shlex
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import harness
 import torch
-
-# runnable from a checkout without `pip install -e .`
 import transformers
 from transformers import AutoModelForCausalLM, Qwen2Config
 
@@ -81,8 +62,7 @@ from lit_rl.models import LoraSettings, apply_lora, lm_head
 from lit_rl.ops import LOGITS_BUDGET_BYTES, plan_chunks
 
 MIB = 2**20
-QWEN_VOCAB = 151_936
-LLAMA2_VOCAB = 32_000
+POINT_MARK = "POINT "
 
 
 @dataclass
@@ -94,7 +74,7 @@ class BenchConfig:
     heads: int = 14
     kv_heads: int = 2
     layers: int = 2
-    vocabs: tuple[int, ...] = (LLAMA2_VOCAB, QWEN_VOCAB)
+    vocabs: tuple[int, ...] = (32_000, 151_936)  # Llama 2's, Qwen2.5's
     num_prompts: int = 2
     num_generations: int = 4
     prompt_len: int = 32
@@ -148,8 +128,6 @@ def set_trainable(model: torch.nn.Module, setting: str) -> None:
     if setting == "frozen-head":
         lm_head(model).weight.requires_grad_(False)  # tied: freezes the embedding too
         model.get_input_embeddings().weight.requires_grad_(False)
-    elif setting != "full-ft":
-        raise ValueError(f"unknown setting {setting!r}; use frozen-head or full-ft")
 
 
 @dataclass
@@ -162,14 +140,6 @@ class Batch:
     advantages: torch.Tensor  # [B]
     ref_logp: torch.Tensor  # [B, C] stand-in for a cached reference pass (part A only)
     prompt_len: int
-
-    @property
-    def targets(self) -> torch.Tensor:
-        return self.input_ids[:, self.prompt_len :]  # [B, C]
-
-    @property
-    def position_ids(self) -> torch.Tensor:
-        return (self.attention_mask.cumsum(-1) - 1).clamp(min=0)  # [B, P + C], as completion_stats does
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.input_ids, self.attention_mask, self.completion_mask, self.advantages, self.ref_logp]
@@ -192,6 +162,8 @@ def make_batch(cfg: BenchConfig, vocab: int) -> Batch:
 
 
 # --------------------------------------------------------------------------------------- the computations
+# Each phase is ``fn(model, batch, cfg, state)``; ``state`` carries a reference pass's log-probs (else the batch's
+# stand-in) and Intuitor's advantages (else the batch's) to the update.
 
 # RefCachedGRPO.completion_stats is the code path the GRPO-family methods use (trunk -> token_stats); its
 # __init__ loads nothing, so a bare instance gives us exactly that code.
@@ -199,101 +171,92 @@ _METHOD = RefCachedGRPO(name_or_path="bench")
 
 
 def logits_free_stats(model, batch: Batch, cfg: BenchConfig, **kw):
-    return _METHOD.completion_stats(
-        model,
-        batch.input_ids,
-        batch.attention_mask,
-        batch.prompt_len,
-        temperature=cfg.temperature,
-        chunk_size=cfg.chunk_size,
-        **kw,
-    )
+    kw.update(temperature=cfg.temperature, chunk_size=cfg.chunk_size)
+    return _METHOD.completion_stats(model, batch.input_ids, batch.attention_mask, batch.prompt_len, **kw)
 
 
 def full_logits(model, batch: Batch, cfg: BenchConfig) -> torch.Tensor:
     """TRL-style ``[B, C, V]`` float32 logits of the completion positions (``logits_to_keep = C + 1``)."""
-    c = cfg.completion_len
+    position_ids = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)  # [B, P + C], as completion_stats does
     out = model(
         input_ids=batch.input_ids,
         attention_mask=batch.attention_mask,
-        position_ids=batch.position_ids,
-        logits_to_keep=c + 1,
+        position_ids=position_ids,
+        logits_to_keep=cfg.completion_len + 1,
         use_cache=False,
     )
     logits = out.logits.float()[:, :-1]  # [B, C, V]; .float() is a no-op for float32 weights
-    if cfg.temperature != 1.0:
-        logits = logits / cfg.temperature  # [B, C, V]
-    return logits
+    return logits / cfg.temperature if cfg.temperature != 1.0 else logits  # [B, C, V]
 
 
-def full_logits_logp(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def full_logits_logp(logits: torch.Tensor, batch: Batch) -> torch.Tensor:
+    targets = batch.input_ids[:, batch.prompt_len :]  # [B, C]
     return logits.log_softmax(-1).gather(-1, targets[..., None]).squeeze(-1)  # [B, C]
 
 
-def loss_of(logp: torch.Tensor, batch: Batch, cfg: BenchConfig, ref_logp=None, advantages=None) -> torch.Tensor:
-    loss, _ = grpo_loss(
-        logp,
-        None,  # num_iterations = 1: on-policy
-        batch.ref_logp if ref_logp is None else ref_logp,
-        batch.advantages if advantages is None else advantages,
-        batch.completion_mask,
-        loss_type=cfg.loss_type,
-        beta=cfg.beta,
-        max_completion_length=cfg.completion_len,
-    )
-    return loss
+def backward(logp: torch.Tensor, batch: Batch, cfg: BenchConfig, state: dict) -> None:
+    """The GRPO loss of ``logp``, backward; on-policy (``num_iterations = 1``: no old log-probs)."""
+    ref_logp = state.get("ref_logp", batch.ref_logp)
+    advantages = state.get("advantages", batch.advantages)
+    settings = {"loss_type": cfg.loss_type, "beta": cfg.beta, "max_completion_length": cfg.completion_len}
+    grpo_loss(logp, None, ref_logp, advantages, batch.completion_mask, **settings)[0].backward()
+
+
+@contextmanager
+def evaluating(model) -> Iterator[None]:
+    """A no-grad pass in eval mode, the model back in train mode after it."""
+    model.eval()
+    with torch.no_grad():
+        yield
+    model.train()
 
 
 def update_logits_free(model, batch: Batch, cfg: BenchConfig, state: dict) -> None:
     """lit-rl's policy update (RefCachedGRPO.policy_loss): log-probs and entropy from one chunked pass."""
     model.train()
-    stats = logits_free_stats(model, batch, cfg, entropy=True)
-    loss_of(stats.logp, batch, cfg, state.get("ref_logp"), state.get("advantages")).backward()
+    backward(logits_free_stats(model, batch, cfg, entropy=True).logp, batch, cfg, state)
 
 
 def update_full_logits(model, batch: Batch, cfg: BenchConfig, state: dict) -> None:
     model.train()
-    logp = full_logits_logp(full_logits(model, batch, cfg), batch.targets)  # [B, C]
-    loss_of(logp, batch, cfg, state.get("ref_logp"), state.get("advantages")).backward()
+    backward(full_logits_logp(full_logits(model, batch, cfg), batch), batch, cfg, state)
 
 
 def reference_logits_free(model, batch: Batch, cfg: BenchConfig, state: dict) -> None:
     """The cached reference pass: no grad, eval mode, only ``[B, C]`` log-probs kept."""
-    model.eval()
-    with torch.no_grad():
+    with evaluating(model):
         state["ref_logp"] = logits_free_stats(model, batch, cfg, entropy=False).logp  # [B, C]
-    model.train()
 
 
 def reference_full_logits(model, batch: Batch, cfg: BenchConfig, state: dict) -> None:
-    model.eval()
-    with torch.no_grad():
-        state["ref_logp"] = full_logits_logp(full_logits(model, batch, cfg), batch.targets)  # [B, C]
-    model.train()
+    with evaluating(model):
+        state["ref_logp"] = full_logits_logp(full_logits(model, batch, cfg), batch)  # [B, C]
 
 
 def intuitor_scoring(model, batch: Batch, cfg: BenchConfig, state: dict) -> None:
     """Intuitor.score_rollout: the reference pass, then old log-probs and self-certainty from one no-grad pass."""
     reference_logits_free(model, batch, cfg, state)
-    model.eval()
-    with torch.no_grad():
+    with evaluating(model):
         stats = logits_free_stats(model, batch, cfg, entropy=False, self_certainty=True)
         certainty = masked_mean(stats.self_certainty, batch.completion_mask, dim=1)  # [B]
         state["advantages"] = group_advantages(certainty, cfg.num_generations)  # [B]
         state["old_logp"] = stats.logp  # [B, C], kept as with num_iterations > 1
-    model.train()
 
 
 def update_full_logits_intuitor(model, batch: Batch, cfg: BenchConfig, state: dict) -> None:
     """Reference-code Intuitor: self-certainty and log-probs from the same grad-carrying ``[B, C, V]`` logits."""
     model.train()
     logits = full_logits(model, batch, cfg)  # [B, C, V] with grad
-    v = logits.shape[-1]
-    certainty_tok = logits.logsumexp(-1) - logits.mean(-1) - math.log(v)  # [B, C]
-    logp = full_logits_logp(logits, batch.targets)  # [B, C]
+    certainty_tok = logits.logsumexp(-1) - logits.mean(-1) - math.log(logits.shape[-1])  # [B, C]
     certainty = masked_mean(certainty_tok.detach(), batch.completion_mask, dim=1)  # [B]
-    advantages = group_advantages(certainty, cfg.num_generations)  # [B]
-    loss_of(logp, batch, cfg, state.get("ref_logp"), advantages).backward()
+    state["advantages"] = group_advantages(certainty, cfg.num_generations)  # [B]
+    backward(full_logits_logp(logits, batch), batch, cfg, state)
+
+
+IMPLEMENTATIONS = {  # name: (its reference pass, its update)
+    "lit-rl logits-free": (reference_logits_free, update_logits_free),
+    "full-logits": (reference_full_logits, update_full_logits),
+}
 
 
 # --------------------------------------------------------------------------------------- measuring
@@ -316,23 +279,33 @@ class Measurement:
 
 
 def measure(model, batch: Batch, phases: list[tuple[str, Callable]], cfg: BenchConfig) -> Measurement:
-    """Run ``phases`` in order under one tracker; each phase's peak window starts where the last ended."""
+    """Run ``phases`` in order under one measurement; each phase's peak window starts where the last ended. On CPU a
+    tracker's exact tensor bytes (and the gradients' share at each peak); on CUDA the allocator's
+    ``max_memory_allocated``."""
     model.zero_grad(set_to_none=True)
     gc.collect()
-    state: dict = {}
-    peaks, grads = {}, {}
+    state, peaks, grads = {}, {}, {}
+    if cfg.device == "cuda":
+        torch.cuda.synchronize()  # before the clock starts: nothing queued earlier is timed
     start = time.perf_counter()
-    tracker = TensorMemoryTracker(device_type="cpu")
-    with tracker:
-        tracker.track(model)
-        resident = tracker.current_bytes
-        tracker.track(batch.tensors(), category="other")  # a few KiB of rollout data
+    if cfg.device == "cuda":
+        resident = torch.cuda.memory_allocated()
         for name, fn in phases:
-            tracker.reset_peak()
+            torch.cuda.reset_peak_memory_stats()
             fn(model, batch, cfg, state)
-            peaks[name] = tracker.peak_bytes
-            grads[name] = tracker.peak_by_category()["gradients"]
-    tracker.close()
+            torch.cuda.synchronize()
+            peaks[name] = torch.cuda.max_memory_allocated()
+    else:
+        with TensorMemoryTracker(device_type="cpu") as tracker:
+            tracker.track(model)
+            resident = tracker.current_bytes
+            tracker.track(batch.tensors(), category="other")  # a few KiB of rollout data
+            for name, fn in phases:
+                tracker.reset_peak()
+                fn(model, batch, cfg, state)
+                peaks[name] = tracker.peak_bytes
+                grads[name] = tracker.peak_by_category()["gradients"]
+        tracker.close()
     w = lm_head(model).weight
     vocab_grad = w.grad.untyped_storage().nbytes() if w.grad is not None else 0
     seconds = time.perf_counter() - start
@@ -348,41 +321,45 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def judged(value: float, required: str) -> str:
+    """A target's verdict: ``value`` against ``required`` ("≤ 0.5", "≥ 4"); "—" for an informational row."""
+    if required == "—":
+        return "—"
+    op, bound = required.split()
+    return "yes" if (value <= float(bound) if op == "≤" else value >= float(bound)) else "**no**"
+
+
 # --------------------------------------------------------------------------------------- parts
 
 
 def part_a(cfg: BenchConfig) -> tuple[list[str], list[tuple]]:
     rows: dict[tuple[str, int, str], Measurement] = {}
     for vocab in cfg.vocabs:
-        model = build_model(cfg, vocab)
-        batch = make_batch(cfg, vocab)
+        model, batch = build_model(cfg, vocab), make_batch(cfg, vocab)
         for setting in ("frozen-head", "full-ft"):
             set_trainable(model, setting)
-            for impl, fn in (("lit-rl logits-free", update_logits_free), ("full-logits", update_full_logits)):
-                m = measure(model, batch, [("update", fn)], cfg)
-                rows[(setting, vocab, impl)] = m
+            for impl, (_, fn) in IMPLEMENTATIONS.items():
+                rows[(setting, vocab, impl)] = m = measure(model, batch, [("update", fn)], cfg)
                 log(f"A {setting} V={vocab} {impl}: peak {mib(m.peak)} MiB in {m.seconds:.1f}s")
         del model, batch
 
-    lines = [
-        "| setting | vocab | implementation | resident MiB | total peak MiB | above resident MiB "
-        "| grads at peak MiB | [V,H] grad MiB | above resident − [V,H] grad MiB | ratio (above resident) "
-        "| ratio (total) |",
-        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]
+    headers = (
+        "setting | vocab | implementation | resident MiB | total peak MiB | above resident MiB | grads at peak MiB "
+        "| [V,H] grad MiB | above resident − [V,H] grad MiB | ratio (above resident) | ratio (total)"
+    ).split(" | ")
+    cells = []
     for (setting, vocab, impl), m in rows.items():
         ref = rows[(setting, vocab, "full-logits")]
-        lines.append(
-            f"| {setting} | {vocab:,} | {impl} | {mib(m.resident)} | {mib(m.peak)} | {mib(m.above())} "
-            f"| {mib(m.grads_at_peak['update'])} | {mib(m.vocab_grad)} | {mib(m.above() - m.vocab_grad)} "
-            f"| {m.above() / ref.above():.3f} | {m.peak / ref.peak:.3f} |"
-        )
-    lines.append("")
-    lines.append(
+        mibs = [m.resident, m.peak, m.above(), m.grads_at_peak["update"], m.vocab_grad, m.above() - m.vocab_grad]
+        ratios = [m.above() / ref.above(), m.peak / ref.peak]
+        cells.append([setting, f"{vocab:,}", impl, *map(mib, mibs), *(f"{r:.3f}" for r in ratios)])
+    lines = harness.markdown_table(headers, cells, ["---", "---:", "---", *["---:"] * 8])
+    lines += [
+        "",
         "ratio = this row / full-logits at the same setting and vocab. grads at peak: bytes of finished "
         "`.grad` tensors at the moment of the peak; [V,H] grad: the tied embedding / LM-head weight's "
-        "gradient after the update (the part no implementation can avoid in full fine-tuning)."
-    )
+        "gradient after the update (the part no implementation can avoid in full fine-tuning).",
+    ]
 
     lo, hi = min(cfg.vocabs), max(cfg.vocabs)
     free_lo, free_hi = rows[("frozen-head", lo, "lit-rl logits-free")], rows[("frozen-head", hi, "lit-rl logits-free")]
@@ -392,34 +369,21 @@ def part_a(cfg: BenchConfig) -> tuple[list[str], list[tuple]]:
             f"A1 logits-free, frozen-head: above-resident peak at V={hi:,} / at V={lo:,}",
             free_hi.above() / free_lo.above(),
             "≤ 1.10",
-            free_hi.above() / free_lo.above() <= 1.10,
         ),
-        (
-            "A1' (same, total peak incl. the [V,H] weight; informational)",
-            free_hi.peak / free_lo.peak,
-            "—",
-            None,
-        ),
+        ("A1' (same, total peak incl. the [V,H] weight; informational)", free_hi.peak / free_lo.peak, "—"),
         (
             f"A2 logits-free / full-logits at V={hi:,}, frozen-head, above resident",
             free_hi.above() / full_hi.above(),
             "≤ 0.5",
-            free_hi.above() / full_hi.above() <= 0.5,
         ),
-        (
-            f"A2' logits-free / full-logits at V={hi:,}, frozen-head, total peak",
-            free_hi.peak / full_hi.peak,
-            "≤ 0.5",
-            free_hi.peak / full_hi.peak <= 0.5,
-        ),
+        (f"A2' logits-free / full-logits at V={hi:,}, frozen-head, total peak", free_hi.peak / full_hi.peak, "≤ 0.5"),
     ]
     return lines, targets
 
 
 def part_b(cfg: BenchConfig) -> tuple[list[str], list[tuple]]:
     vocab = max(cfg.vocabs)
-    model = build_model(cfg, vocab)
-    batch = make_batch(cfg, vocab)
+    model, batch = build_model(cfg, vocab), make_batch(cfg, vocab)
     set_trainable(model, "frozen-head")
     runs = {
         "lit-rl RefCachedGRPO": [("scoring", reference_logits_free), ("update", update_logits_free)],
@@ -429,81 +393,37 @@ def part_b(cfg: BenchConfig) -> tuple[list[str], list[tuple]]:
     res: dict[str, Measurement] = {}
     for name, phases in runs.items():
         res[name] = m = measure(model, batch, phases, cfg)
-        peaks = ", ".join(f"{k} {mib(v)}" for k, v in m.phases.items())
-        log(f"B {name}: peak MiB {peaks} in {m.seconds:.1f}s")
+        log(f"B {name}: peak MiB {', '.join(f'{k} {mib(v)}' for k, v in m.phases.items())} in {m.seconds:.1f}s")
     del model, batch
 
     grpo, intu, full = res["lit-rl RefCachedGRPO"], res["lit-rl Intuitor"], res["full-logits Intuitor"]
-    lines = [
-        "| method | no-grad passes | resident MiB | scoring peak MiB | update peak MiB | update above resident MiB "
-        "| step peak (scoring + update) MiB | step above resident MiB | ratio vs RefCachedGRPO (step, total) |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]
+    headers = (
+        "method | no-grad passes | resident MiB | scoring peak MiB | update peak MiB | update above resident MiB "
+        "| step peak (scoring + update) MiB | step above resident MiB | ratio vs RefCachedGRPO (step, total)"
+    ).split(" | ")
     passes = {
         "lit-rl RefCachedGRPO": "reference log-probs (chunked)",
         "lit-rl Intuitor": "reference log-probs; old log-probs + self-certainty (one chunked pass)",
         "full-logits Intuitor": "reference log-probs (full logits); self-certainty from the update's logits",
     }
+    cells = []
     for name, m in res.items():
-        lines.append(
-            f"| {name} | {passes[name]} | {mib(m.resident)} | {mib(m.phases['scoring'])} | {mib(m.phases['update'])} "
-            f"| {mib(m.above('update'))} | {mib(m.peak)} | {mib(m.above())} | {m.peak / grpo.peak:.3f} |"
-        )
+        mibs = [m.resident, m.phases["scoring"], m.phases["update"], m.above("update"), m.peak, m.above()]
+        cells.append([name, passes[name], *map(mib, mibs), f"{m.peak / grpo.peak:.3f}"])
     targets = [
-        (
-            "B1 lit-rl Intuitor / RefCachedGRPO, step peak (scoring + update), total",
-            intu.peak / grpo.peak,
-            "≤ 1.05",
-            intu.peak / grpo.peak <= 1.05,
-        ),
-        (
-            "B1' same, above resident",
-            intu.above() / grpo.above(),
-            "≤ 1.05",
-            intu.above() / grpo.above() <= 1.05,
-        ),
+        ("B1 lit-rl Intuitor / RefCachedGRPO, step peak (scoring + update), total", intu.peak / grpo.peak, "≤ 1.05"),
+        ("B1' same, above resident", intu.above() / grpo.above(), "≤ 1.05"),
         (
             f"B2 full-logits Intuitor / lit-rl Intuitor, update phase, total peak, V={vocab:,}",
             full.phases["update"] / intu.phases["update"],
             "≥ 4",
-            full.phases["update"] / intu.phases["update"] >= 4,
         ),
-        (
-            f"B2' same, update phase above resident, V={vocab:,}",
-            full.above("update") / intu.above("update"),
-            "≥ 4",
-            full.above("update") / intu.above("update") >= 4,
-        ),
+        (f"B2' same, update phase above resident, V={vocab:,}", full.above("update") / intu.above("update"), "≥ 4"),
     ]
-    return lines, targets
+    return harness.markdown_table(headers, cells, ["---", "---", *["---:"] * 7]), targets
 
 
 # --------------------------------------------------------------------------------------- one sweep point
-
-POINT_MARK = "POINT "
-IMPLEMENTATIONS = {
-    "lit-rl logits-free": (reference_logits_free, update_logits_free),
-    "full-logits": (reference_full_logits, update_full_logits),
-}
-
-
-def measure_cuda(model, batch: Batch, phases: list[tuple[str, Callable]], cfg: BenchConfig):
-    """:func:`measure` on CUDA: ``(resident, {phase: the allocator's peak}, seconds)``."""
-    model.zero_grad(set_to_none=True)
-    gc.collect()
-    torch.cuda.synchronize()
-    state: dict = {}
-    peaks = {}
-    start = time.perf_counter()
-    resident = torch.cuda.memory_allocated()
-    for name, fn in phases:
-        torch.cuda.reset_peak_memory_stats()
-        fn(model, batch, cfg, state)
-        torch.cuda.synchronize()
-        peaks[name] = torch.cuda.max_memory_allocated()
-    seconds = time.perf_counter() - start
-    model.zero_grad(set_to_none=True)
-    return resident, peaks, seconds
 
 
 def predict(cfg: BenchConfig, vocab: int) -> dict[str, int]:
@@ -534,14 +454,9 @@ def point(cfg: BenchConfig) -> dict:
     result = {"vocab": vocab, "length": cfg.completion_len, "peaks": {}, "seconds": {}, "config": shape,
               "device_name": torch.cuda.get_device_name(0) if cfg.device == "cuda" else "CPU"}  # fmt: skip
     for impl, (reference, update) in IMPLEMENTATIONS.items():
-        phases = [("reference", reference), ("update", update)]
-        if cfg.device == "cuda":
-            resident, peaks, seconds = measure_cuda(model, batch, phases, cfg)
-        else:
-            m = measure(model, batch, phases, cfg)
-            resident, peaks, seconds = m.resident, m.phases, m.seconds
-        result["resident"], result["peaks"][impl], result["seconds"][impl] = resident, peaks, seconds
-        log(f"  V={vocab:,} C={cfg.completion_len} {impl}: peak {mib(max(peaks.values()))} MiB, {seconds:.1f} s")
+        m = measure(model, batch, [("reference", reference), ("update", update)], cfg)
+        result["resident"], result["peaks"][impl], result["seconds"][impl] = m.resident, m.phases, m.seconds
+        log(f"  V={vocab:,} C={cfg.completion_len} {impl}: peak {mib(m.peak)} MiB, {m.seconds:.1f} s")
     del model, batch
     gc.collect()
     result["predicted"] = predict(cfg, vocab)
@@ -576,56 +491,66 @@ def describe(cfg: BenchConfig) -> list[str]:
     ]
 
 
-def targets_table(targets: list[tuple]) -> list[str]:
-    lines = ["| target | value | required | met |", "| --- | ---: | ---: | --- |"]
-    for name, value, required, ok in targets:
-        met = "—" if ok is None else ("yes" if ok else "**no**")
-        lines.append(f"| {name} | {value:.3f} | {required} | {met} |")
-    return lines
-
-
 def parse_args(argv: list[str] | None = None) -> BenchConfig:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument(
-        "--quick", action="store_true", help="tiny sizes: a smoke test of every part (targets not meaningful)"
-    )
+    p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test (targets not meaningful)")
     p.add_argument("--parts", default="AB", help="which parts to run: A (one policy update), B (Intuitor) or AB")
-    p.add_argument("--layers", type=int, help="decoder layers (default 2)")
-    p.add_argument("--hidden", type=int, help="hidden size (default 896, Qwen2.5-0.5B)")
     p.add_argument("--vocabs", type=str, help="comma-separated vocab sizes (default 32000,151936)")
-    p.add_argument("--num-prompts", type=int, help="prompts per batch (default 2)")
-    p.add_argument("--num-generations", type=int, help="completions per prompt (default 4)")
-    p.add_argument("--prompt-len", type=int, help="prompt tokens P (default 32)")
+    p.add_argument("--layers", type=int, help="decoder layers (default 2)")
     p.add_argument("--completion-len", type=int, help="completion tokens C (default 96)")
-    p.add_argument("--chunk-size", type=int, help="token_stats tokens per block (default: automatic plan)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--point", action="store_true", help="one sweep point at the first of --vocabs and --completion-len, as JSON"
-    )
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], help="weights' dtype (default float32)")
+    p.add_argument("--point", action="store_true", help="one sweep point (the first of --vocabs), as JSON")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="the weights' dtype")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="--point: where it runs (default cpu)")
     p.add_argument("--precision", default="32-true", help="--point: the estimate's trainer.precision")
     p.add_argument("--out", type=Path, help="also write the tables to this results file, with its header")
     a = p.parse_args(argv)
-    cfg = BenchConfig(seed=a.seed, quick=a.quick, parts=tuple(a.parts.upper()), point=a.point, device=a.device,
-                      precision=a.precision, dtype=a.dtype or "float32")  # fmt: skip
+    cfg = BenchConfig(quick=a.quick, parts=tuple(a.parts.upper()), point=a.point, device=a.device,
+                      precision=a.precision, dtype=a.dtype, out=a.out)  # fmt: skip
     if a.quick:
         cfg.hidden, cfg.intermediate, cfg.heads, cfg.kv_heads, cfg.layers = 64, 128, 4, 2, 1
-        cfg.vocabs = (512, 2048)
-        cfg.prompt_len, cfg.completion_len = 8, 16
-    for name in ("layers", "hidden", "num_prompts", "num_generations", "prompt_len", "completion_len", "chunk_size"):
-        if getattr(a, name) is not None:
-            setattr(cfg, name, getattr(a, name))
-    if a.hidden is not None:
-        cfg.intermediate = a.hidden * cfg.intermediate // 896 if not a.quick else 2 * a.hidden
+        cfg.vocabs, cfg.prompt_len, cfg.completion_len = (512, 2048), 8, 16
+    cfg.layers = a.layers or cfg.layers
+    cfg.completion_len = a.completion_len or cfg.completion_len
     if a.vocabs:
         cfg.vocabs = tuple(sorted(int(v) for v in a.vocabs.split(",")))
     if len(cfg.vocabs) < 2 and "A" in cfg.parts and not cfg.point:
         p.error("part A compares two vocab sizes: pass --vocabs V1,V2")
     if not set(cfg.parts) <= {"A", "B"}:
         p.error(f"--parts takes A, B or AB, got {a.parts!r}")
-    cfg.out = a.out
     return cfg
+
+
+COMPARED = [
+    "Exact bytes held by CPU tensors (`TensorMemoryTracker`), resident weights included; no allocator caching. "
+    "**total peak** is the highest tensor bytes during the phase, weights included; **above resident** is total peak "
+    "minus the parameter bytes at the start, i.e. what the update itself allocates (activations, logits or logits "
+    "blocks, temporaries, gradients). The weights are the same for both implementations but grow with V (the tied "
+    '`[V, H]` embedding), so "the logits no longer set the peak" (A1) is judged above resident; both ratios are '
+    "printed for A2 and B. The full-logits reference is the generous form: `logits_to_keep = C + 1`, temperature 1 "
+    "(no extra `[B, C, V]` copy), float32 weights (`.float()` is a no-op).",
+    "",
+]
+
+
+def run(cfg: BenchConfig, cmd: str) -> str:
+    torch.manual_seed(cfg.seed)
+    out = [f"Command: `{cmd.strip()}`", "", "Configuration:", "", *describe(cfg), ""]
+    targets: list[tuple] = []
+    start = time.perf_counter()
+    if "A" in cfg.parts:
+        lines, t = part_a(cfg)
+        out += ["### A. One policy update", "", *lines, ""]
+        targets += t
+    if "B" in cfg.parts:
+        lines, t = part_b(cfg)
+        out += [f"### B. Intuitor vs RefCachedGRPO vs full-logits Intuitor, frozen-head, V={max(cfg.vocabs):,}", ""]
+        out += [*lines, ""]
+        targets += t
+    rows = [[name, f"{value:.3f}", required, judged(value, required)] for name, value, required in targets]
+    out += [f"### Targets{' (quick sizes: not meaningful)' if cfg.quick else ''}", ""]
+    out += [*harness.markdown_table(["target", "value", "required", "met"], rows, ["---", "---:", "---:", "---"]), ""]
+    out.append(f"Total bench time: {time.perf_counter() - start:.0f} s")
+    return "\n".join(out)
 
 
 def main(argv: list[str] | None = None) -> str:
@@ -659,38 +584,6 @@ def main(argv: list[str] | None = None) -> str:
         cfg.out.write_text("\n".join([*header, *COMPARED, body]) + "\n")
         log(f"wrote {cfg.out}")
     return text
-
-
-COMPARED = [
-    "Exact bytes held by CPU tensors (`TensorMemoryTracker`), resident weights included; no allocator caching. "
-    "**total peak** is the highest tensor bytes during the phase, weights included; **above resident** is total peak "
-    "minus the parameter bytes at the start, i.e. what the update itself allocates (activations, logits or logits "
-    "blocks, temporaries, gradients). The weights are the same for both implementations but grow with V (the tied "
-    '`[V, H]` embedding), so "the logits no longer set the peak" (A1) is judged above resident; both ratios are '
-    "printed for A2 and B. The full-logits reference is the generous form: `logits_to_keep = C + 1`, temperature 1 "
-    "(no extra `[B, C, V]` copy), float32 weights (`.float()` is a no-op).",
-    "",
-]
-
-
-def run(cfg: BenchConfig, cmd: str) -> str:
-    torch.manual_seed(cfg.seed)
-    out = [f"Command: `{cmd.strip()}`", "", "Configuration:", "", *describe(cfg), ""]
-    targets: list[tuple] = []
-    start = time.perf_counter()
-    if "A" in cfg.parts:
-        lines, t = part_a(cfg)
-        out += ["### A. One policy update", "", *lines, ""]
-        targets += t
-    if "B" in cfg.parts:
-        lines, t = part_b(cfg)
-        out += [f"### B. Intuitor vs RefCachedGRPO vs full-logits Intuitor, frozen-head, V={max(cfg.vocabs):,}"]
-        out += ["", *lines, ""]
-        targets += t
-    note = " (quick sizes: not meaningful)" if cfg.quick else ""
-    out += [f"### Targets{note}", "", *targets_table(targets), ""]
-    out.append(f"Total bench time: {time.perf_counter() - start:.0f} s")
-    return "\n".join(out)
 
 
 if __name__ == "__main__":

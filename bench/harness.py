@@ -13,8 +13,9 @@ runs as ``python -m lit_rl`` from the repository root, so it always runs this ch
   a given commit's, :func:`export_commit`); what a run does not log by itself, a probe in ``bench/probes.py`` logs;
 - **a run's logs**: :func:`read_scalar_events`, :func:`read_scalars`, :func:`training_seconds`,
   :func:`median_step_seconds` (TensorBoard);
-- **the results header**: :func:`header_lines` (the command that reproduces the file, the machine, the commit,
-  versions, and the note that times depend on the machine's load while tensor bytes do not);
+- **the results file**: :func:`header_lines` (the command that reproduces the file, the machine, the commit,
+  versions, and the note that times depend on the machine's load while tensor bytes do not) and
+  :func:`markdown_table`;
 - **``lit-rl estimate``'s printed tables**: :func:`estimated_step_gib` (the step's predicted tensor peak),
   :func:`planner_choice` (the row ``--plan`` chose), and :func:`last_line` (a child's one-line error).
 """
@@ -325,6 +326,13 @@ def shown(overrides: list[str]) -> str:
     """``--model.init_args.key value`` pairs as ``key=value``, for a table."""
     pairs = zip(overrides[::2], overrides[1::2])
     return ", ".join(f"`{k.split('.')[-1]}={v}`" for k, v in pairs) or "(none)"
+
+
+def markdown_table(headers: list[str], rows: list[list[Any]], align: list[str] | None = None) -> list[str]:
+    """A Markdown table's lines: the header, the alignment row (the first column left, the others right unless
+    ``align`` gives one marker per column, e.g. ``"---"``), and one line per row, each cell ``str()``-ed."""
+    align = align or ["---"] + ["---:"] * (len(headers) - 1)
+    return ["| " + " | ".join(line) + " |" for line in (headers, align, *([str(c) for c in r] for r in rows))]
 
 
 def peak_rss_bytes() -> int | None:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import harness
@@ -45,10 +45,10 @@ class Point:
 
     vocab: int
     length: int
-    peaks: dict[str, dict[str, int]] = field(default_factory=dict)  # implementation -> phase -> bytes
-    seconds: dict[str, float] = field(default_factory=dict)  # implementation -> reference + update seconds
-    resident: int = 0
-    predicted: dict[str, int] = field(default_factory=dict)  # phase -> bytes (reference, update)
+    peaks: dict[str, dict[str, int]]  # implementation -> phase -> bytes
+    seconds: dict[str, float]  # implementation -> reference + update seconds
+    resident: int  # bytes of the weights
+    predicted: dict[str, int]  # phase -> bytes (reference, update)
 
     def peak(self, impl: str) -> int:
         return max(self.peaks[impl].values())
@@ -111,21 +111,19 @@ def mib(nbytes: float) -> str:
 
 
 def table(points: list[Point]) -> list[str]:
-    lines = [
-        "| vocab | completion tokens | lit-rl reference MiB | predicted | error % | lit-rl update MiB | predicted "
+    headers = (
+        "vocab | completion tokens | lit-rl reference MiB | predicted | error % | lit-rl update MiB | predicted "
         "| error % | full-logits reference MiB | full-logits update MiB | peak ratio lit-rl / full-logits "
-        "| lit-rl s | full-logits s |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]
+        "| lit-rl s | full-logits s"
+    ).split(" | ")
+    rows = []
     for p in points:
-        lit, full = p.peaks[LIT], p.peaks[FULL]
-        lines.append(
-            f"| {p.vocab:,} | {p.length} | {mib(lit['reference'])} | {mib(p.predicted['reference'])} "
-            f"| {p.error('reference'):+.1f} | {mib(lit['update'])} | {mib(p.predicted['update'])} "
-            f"| {p.error('update'):+.1f} | {mib(full['reference'])} | {mib(full['update'])} "
-            f"| {p.peak(LIT) / p.peak(FULL):.3f} | {p.seconds[LIT]:.1f} | {p.seconds[FULL]:.1f} |"
-        )
-    return lines
+        cells = [f"{p.vocab:,}", p.length]
+        for phase in ("reference", "update"):  # lit-rl's, measured and predicted
+            cells += [mib(p.peaks[LIT][phase]), mib(p.predicted[phase]), f"{p.error(phase):+.1f}"]
+        cells += [mib(p.peaks[FULL]["reference"]), mib(p.peaks[FULL]["update"]), f"{p.peak(LIT) / p.peak(FULL):.3f}"]
+        rows.append(cells + [f"{p.seconds[impl]:.1f}" for impl in (LIT, FULL)])
+    return harness.markdown_table(headers, rows, ["---:"] * len(headers))
 
 
 def describe(cfg: SweepConfig, shape: dict) -> str:
