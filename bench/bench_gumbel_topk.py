@@ -2,37 +2,35 @@
 
 The memory-efficient design (top-k Gumbel-softmax, online KL, a KV-cached reference, sparse reward gather,
 per-step checkpointing) is expected to peak 3-4x lower than the naive one (dense soft tokens over the full
-vocabulary, stored reference logits), which runs out of memory at a real vocabulary and length, and top-256 tokens
-are expected to keep > 99.9 % of the probability mass. This bench measures both instead of assuming them.
+vocabulary, stored reference logits), and top-256 tokens to keep > 99.9 % of the probability mass. This bench
+measures both instead of assuming them.
 
-For each vocabulary (49,152: SmolLM2's; 151,936: Qwen's), completion length and path (``legacy``: the
-full-vocabulary baseline, :class:`gumbel_legacy.LegacyGumbelTopK` in ``bench/gumbel_legacy.py``; ``top-k``:
+For each vocabulary (49,152: SmolLM2's; 151,936: Qwen's), completion length and path (``legacy``:
+:class:`gumbel_legacy.LegacyGumbelTopK`, the full-vocabulary baseline in ``bench/gumbel_legacy.py``; ``top-k``:
 ``GumbelTopK`` with ``gumbel_topk: 256``; ``top-k + ckpt``: the same with ``checkpoint_steps: true``), two real
-steps run on CPU with the :class:`~lit_rl.callbacks.MemoryProfiler` (exact tensor accounting), and step 1 (the
-steady state, optimizer state allocated) is compared with :func:`~lit_rl.memory.estimate.estimate_step` for the
-same settings. The models are random (nothing is downloaded): a ``LlamaForCausalLM`` policy and a
-``LlamaForSequenceClassification`` reward model (``num_labels=1``) with the same small trunk
-(:func:`lit_rl.models.tiny.tiny_config`: hidden 256, intermediate 512, 4 layers, 4 attention heads, 2 KV heads,
-tied embeddings), saved with ``save_pretrained`` beside the character-level test tokenizer so that GumbelTopK
-loads them by path. Full fine-tuning with ``beta > 0``: the reference is a frozen copy of the policy.
+steps run on CPU, the second (the steady state, optimizer state allocated) under the
+:class:`~lit_rl.callbacks.MemoryProfiler` (exact tensor accounting), and it is compared with
+:func:`~lit_rl.memory.estimate_step` for the same settings. The models are random (nothing is downloaded): a
+``LlamaForCausalLM`` policy and a ``LlamaForSequenceClassification`` reward model with the same small
+:func:`~lit_rl.models.tiny_config` trunk (hidden 256, 4 layers), saved beside the character-level test tokenizer
+so that GumbelTopK loads them by path. Full fine-tuning with ``beta > 0``: the reference is a frozen copy.
 
-Pinned so that both sides describe the same step (as in ``bench_estimate.py``): the method's ``eos_ids`` is an
-id outside the vocabulary, so every rollout has ``max_new_tokens`` tokens; the estimate gets the prompt width
-and padding of the measured batch. A config whose *predicted* step peak exceeds ``--max-gib`` is not run (its
-prediction is still shown, marked "not measured"), so the legacy path cannot take the shared machine down.
+Both sides describe the same step: ``eos_ids`` is an id outside the vocabulary, so every rollout has
+``max_new_tokens`` tokens, and the estimate gets the measured batch's prompt width and padding. A config whose
+*predicted* peak exceeds ``--max-gib`` is not run (its prediction is shown, marked "not measured"), so the legacy
+path cannot take the shared machine down.
 
 The top-k mass is ``gumbel/topk_mass`` of the measured steps: a random model's next-token distribution is nearly
-uniform, so it says nothing about a trained model; the full run adds the same quantity for the trained
-SmolLM2-135M-Instruct (the embedded model, if installed) sampling with top-256 at temperature 1.
+uniform, so the full run adds the same quantity for the trained SmolLM2-135M-Instruct (the embedded model, if
+installed) sampling with top-256 at temperature 1.
 
-Run (77 minutes for the full grid on 2 cores shared with other jobs, load average 3-6; the quick case 2.5 minutes
-at load 2, 5.5 at higher loads; tensor bytes do not depend on the machine's load, the wall times do)::
+Run (77 minutes for the full grid on 2 cores shared with other jobs; the quick case 2.5-5.5 minutes, depending on
+the load; tensor bytes do not depend on it, the wall times do)::
 
     python bench/bench_gumbel_topk.py              # writes bench/results/gumbel_topk.md and gumbel_topk_peak_vs_length.png
     python bench/bench_gumbel_topk.py --quick      # vocab 49,152, 32 new tokens, the three paths; prints only
 
-``lit_rl`` must be importable (``pip install -e .``, or ``PYTHONPATH`` at the checkout); ``gumbel_legacy`` is found
-beside this script.
+``lit_rl`` must be importable (``pip install -e .``); ``gumbel_legacy`` is found beside this script.
 """
 
 from __future__ import annotations
@@ -53,6 +51,7 @@ import harness
 import lightning as L
 import torch
 from gumbel_legacy import LegacyGumbelTopK
+from harness import markdown_table
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
@@ -62,7 +61,6 @@ from lit_rl.memory import CATEGORIES, estimate_step
 from lit_rl.methods import GumbelTopK
 from lit_rl.models import tiny_config, tiny_tokenizer
 
-ROOT = Path(__file__).resolve().parents[1]
 MIB, GIB = 2**20, 2**30
 
 VOCABS = (49_152, 151_936)
@@ -78,7 +76,7 @@ PHASES = ("generate", "reward", "backward", "optimizer")
 TRUNK = dict(hidden_size=256, num_layers=4)  # tiny_config: intermediate 2 x hidden, 4 heads, 2 KV heads, tied
 BATCH = 2  # prompts per step, 1 generation each
 METHOD = dict(num_generations=1, beta=0.05, tau=0.5, hard=True, learning_rate=1e-5)
-RESULTS = ROOT / "bench" / "results"
+RESULTS = harness.ROOT / "bench" / "results"
 
 
 @dataclass
@@ -97,21 +95,20 @@ class Case:
     shapes: list[tuple[int, bool]] = field(default_factory=list)  # per measured step: prompt width, padded
     mass: list[float] = field(default_factory=list)  # gumbel/topk_mass per measured step
     skipped: str = ""
-    measure_s: float = 0.0
-    estimate_s: float = 0.0
-
-    @property
-    def name(self) -> str:
-        return f"V={self.vocab:,} C={self.tokens} {self.path}"
 
     @property
     def predicted_peak(self) -> int:
         return max(self.predicted.values())
 
+    def at(self, phase: str | None = None) -> tuple[int, int]:
+        """(predicted, measured) bytes of one phase, or of the step peak (``None``)."""
+        if phase is None:
+            return self.predicted_peak, self.step_peak
+        return self.predicted.get(phase, 0), self.measured.get(phase, 0)
+
     def error(self, phase: str | None = None) -> float:
         """(predicted - measured) / measured in %, of one phase or of the step peak."""
-        m = self.step_peak if phase is None else self.measured.get(phase, 0)
-        p = self.predicted_peak if phase is None else self.predicted[phase]
+        p, m = self.at(phase)
         return 100.0 * (p - m) / m if m else float("nan")
 
 
@@ -122,7 +119,6 @@ def build_models(folder: Path, vocab: int) -> tuple[str, str]:
     """Random policy and reward model of vocabulary ``vocab``, saved with the tokenizer; returns their folders."""
     from transformers import LlamaForCausalLM, LlamaForSequenceClassification
 
-    tokenizer = tiny_tokenizer()
     policy_dir, reward_dir = folder / f"policy-{vocab}", folder / f"reward-{vocab}"
     torch.manual_seed(0)
     LlamaForCausalLM(tiny_config("llama", vocab_size=vocab, **TRUNK)).save_pretrained(policy_dir)
@@ -130,7 +126,7 @@ def build_models(folder: Path, vocab: int) -> tuple[str, str]:
     reward = LlamaForSequenceClassification(tiny_config("llama", vocab_size=vocab, num_labels=1, **TRUNK))
     reward.save_pretrained(reward_dir)  # pad_token_id = 0 (<pad>) comes with tiny_config
     for path in (policy_dir, reward_dir):
-        tokenizer.save_pretrained(path)
+        tiny_tokenizer().save_pretrained(path)
     return str(policy_dir), str(reward_dir)
 
 
@@ -138,31 +134,32 @@ def datamodule() -> PromptDataModule:
     return PromptDataModule(num_prompts=16, batch_size=BATCH, max_prompt_length=256, seed=0)
 
 
+def shape(batch: dict[str, torch.Tensor]) -> tuple[int, bool]:
+    """A prompt batch's width and whether it is padded."""
+    return batch["input_ids"].shape[1], bool((batch["attention_mask"] == 0).any())
+
+
 def planned_shapes(steps: int = 2) -> list[tuple[int, bool]]:
-    """Prompt width and padding of the first ``steps`` batches (the sampling stream is seeded, so every run sees
-    these), for the estimate of a config that is not run."""
+    """The shapes of the first ``steps`` batches (the sampling stream is seeded, so every run sees these), for the
+    estimate of a config that is not run."""
     dm = datamodule()
     dm.connect(tiny_tokenizer())
     dm.setup("fit")
-    shapes = []
-    for batch, _ in zip(dm.train_dataloader(), range(steps)):
-        shapes.append((batch["input_ids"].shape[1], bool((batch["attention_mask"] == 0).any())))
-    return shapes
+    return [shape(batch) for batch, _ in zip(dm.train_dataloader(), range(steps))]
 
 
-def method(policy_dir: str, reward_dir: str, tokens: int, path: str) -> GumbelTopK:
-    cls, settings = PATHS[path]
-    return cls(name_or_path=policy_dir, reward_model=reward_dir, max_new_tokens=tokens, **METHOD, **settings)
+def method(dirs: tuple[str, str], case: Case) -> GumbelTopK:
+    cls, settings = PATHS[case.path]
+    return cls(name_or_path=dirs[0], reward_model=dirs[1], max_new_tokens=case.tokens, **METHOD, **settings)
 
 
 # ------------------------------------------------------------------------------------------------ measure, predict
 
 
-def predict(case: Case, module: GumbelTopK, width: int, padded: bool) -> None:
-    start = time.perf_counter()
+def predict(case: Case, dirs: tuple[str, str], width: int, padded: bool) -> None:
+    module = method(dirs, case)
     case.estimate = estimate_step(module, batch_size=BATCH, prompt_length=width, padded=padded, device_type="cpu")
     case.predicted = dict(case.estimate.phases)
-    case.estimate_s = time.perf_counter() - start
 
 
 class MeasureFromStep(Callback):
@@ -185,7 +182,7 @@ def measure(case: Case, module: GumbelTopK, steps: int = 2) -> None:
     train_step = module.train_step
 
     def recording_train_step(batch):
-        case.shapes.append((batch["input_ids"].shape[1], bool((batch["attention_mask"] == 0).any())))
+        case.shapes.append(shape(batch))
         metrics, n = train_step(batch)
         case.mass.append(metrics["gumbel/topk_mass"])
         return metrics, n
@@ -193,7 +190,6 @@ def measure(case: Case, module: GumbelTopK, steps: int = 2) -> None:
     module.train_step = recording_train_step
     # an id outside the vocabulary is never sampled: every rollout runs to max_new_tokens
     module.eos_ids = lambda: [case.vocab]
-    start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         trainer = L.Trainer(
             accelerator="cpu",
@@ -207,26 +203,22 @@ def measure(case: Case, module: GumbelTopK, steps: int = 2) -> None:
             default_root_dir=tmp,
         )
         trainer.fit(module, datamodule())
-    case.measure_s = time.perf_counter() - start
     record = profiler.summary()["steps"][-1]
-    case.measured = {p: v["peak_bytes"] for p, v in record["phases"].items()}
-    case.step_peak = record["total"]["peak_bytes"]
-    case.rss_peak = record["total"].get("rss_peak_bytes", 0)
-    case.breakdown = dict(record["total"].get("breakdown", {}))
+    case.measured, total = {p: v["peak_bytes"] for p, v in record["phases"].items()}, record["total"]
+    case.step_peak, case.rss_peak = total["peak_bytes"], total.get("rss_peak_bytes", 0)
+    case.breakdown = dict(total.get("breakdown", {}))
 
 
-def run_case(case: Case, dirs: tuple[str, str], planned: list[tuple[int, bool]], max_bytes: float) -> Case:
+def run_case(case: Case, dirs: tuple[str, str], planned: list[tuple[int, bool]], max_bytes: float) -> None:
     """Predict ``case``, and measure it too if the prediction fits in ``max_bytes``."""
-    width, padded = planned[1]
-    predict(case, method(*dirs, case.tokens, case.path), width, padded)
+    predict(case, dirs, *planned[1])
     if case.predicted_peak > max_bytes:
         case.skipped = f"predicted {case.predicted_peak / GIB:.1f} GiB > --max-gib {max_bytes / GIB:g}"
     else:
-        measure(case, method(*dirs, case.tokens, case.path))
-        if case.shapes[1] != (width, padded):  # the stream is seeded: only if the data module changed
-            predict(case, method(*dirs, case.tokens, case.path), *case.shapes[1])
+        measure(case, method(dirs, case))
+        if case.shapes[1] != planned[1]:  # the stream is seeded: only if the data module changed
+            predict(case, dirs, *case.shapes[1])
     gc.collect()
-    return case
 
 
 def trained_topk_mass(k: int = TOPK, prompts: int = 8, new_tokens: int = 32) -> tuple[float, float, int, int] | None:
@@ -266,25 +258,6 @@ def mib(b: float) -> str:
     return f"{b / MIB:,.1f}"
 
 
-def phase_table(cases: list[Case]) -> list[str]:
-    lines = [
-        "| vocab | new tokens | path | phase | predicted MiB | measured MiB | error % | process RSS peak MiB |",
-        "| ---: | ---: | --- | --- | ---: | ---: | ---: | ---: |",
-    ]
-    for c in cases:
-        for phase in (*PHASES, "step peak"):
-            p = c.predicted_peak if phase == "step peak" else c.predicted.get(phase, 0)
-            if c.skipped:
-                m, err = "not measured", "—"
-            else:
-                m = mib(c.step_peak if phase == "step peak" else c.measured.get(phase, 0))
-                err = f"{c.error(None if phase == 'step peak' else phase):+.2f}"
-            shown = f"**{phase}**" if phase == "step peak" else phase
-            rss = mib(c.rss_peak) if phase == "step peak" and c.rss_peak else ""
-            lines.append(f"| {c.vocab:,} | {c.tokens} | {c.path} | {shown} | {mib(p)} | {m} | {err} | {rss} |")
-    return lines
-
-
 def index(cases: list[Case]) -> dict[tuple[int, int, str], Case]:
     return {(c.vocab, c.tokens, c.path): c for c in cases}
 
@@ -296,32 +269,37 @@ def peak_of(c: Case | None) -> tuple[float, bool]:
     return (c.predicted_peak, False) if c.skipped else (c.step_peak, True)
 
 
+def phase_table(cases: list[Case]) -> list[str]:
+    rows = []
+    for c in cases:
+        for phase in (*PHASES, None):  # None: the step peak
+            predicted, measured = c.at(phase)
+            cells = ("not measured", "—") if c.skipped else (mib(measured), f"{c.error(phase):+.2f}")
+            rss = mib(c.rss_peak) if phase is None and c.rss_peak else ""
+            rows.append([f"{c.vocab:,}", c.tokens, c.path, phase or "**step peak**", mib(predicted), *cells, rss])
+    headers = ["vocab", "new tokens", "path", "phase", "predicted MiB", "measured MiB", "error %"]
+    return markdown_table([*headers, "process RSS peak MiB"], rows, ["---:", "---:", "---", "---", *["---:"] * 4])
+
+
 def summary_table(cases: list[Case]) -> list[str]:
     by = index(cases)
-    lines = [
-        "| vocab | new tokens | legacy MiB | top-k MiB | top-k + ckpt MiB | legacy / top-k | legacy / top-k + ckpt "
-        "| top-k / top-k + ckpt | non-weight MiB: legacy / top-k / ckpt | worst phase error % |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]
+    rows = []
     for vocab, tokens in sorted({(c.vocab, c.tokens) for c in cases}):
-        peaks = [peak_of(by.get((vocab, tokens, p))) for p in PATHS]
-        cells = [f"{mib(b)}{'' if ok else ' (predicted, not run)'}" for b, ok in peaks]
+        row = [by.get((vocab, tokens, p)) for p in PATHS]
+        ran = [c for c in row if c is not None and not c.skipped]
+        peaks = [peak_of(c) for c in row]
         (lg, _), (tk, _), (ck, _) = peaks
-        ratios = [f"{a / b:.2f}x" if a == a and b == b else "—" for a, b in ((lg, tk), (lg, ck), (tk, ck))]
-        non_weight = []
-        for p in PATHS:
-            c = by.get((vocab, tokens, p))
-            if c is None or c.skipped:
-                non_weight.append("—")
-            else:
-                non_weight.append(mib(c.breakdown.get("activations", 0) + c.breakdown.get("temporaries", 0)))
-        errors = [
-            abs(c.error(ph)) for p in PATHS if (c := by.get((vocab, tokens, p))) and not c.skipped for ph in PHASES
+        non_weight = [
+            mib(c.breakdown.get("activations", 0) + c.breakdown.get("temporaries", 0)) if c in ran else "—" for c in row
         ]
+        errors = [abs(c.error(ph)) for c in ran for ph in PHASES]
+        peaks_cells = [f"{mib(b)}{'' if ok else ' (predicted, not run)'}" for b, ok in peaks]
+        ratios = [f"{a / b:.2f}x" if a == a and b == b else "—" for a, b in ((lg, tk), (lg, ck), (tk, ck))]
         worst = f"{max(errors):.2f}" if errors else "—"
-        lines.append(f"| {vocab:,} | {tokens} | {' | '.join(cells)} | {' | '.join(ratios)} | {' / '.join(non_weight)} "
-                     f"| {worst} |")  # fmt: skip
-    return lines
+        rows.append([f"{vocab:,}", tokens, *peaks_cells, *ratios, " / ".join(non_weight), worst])
+    ratios = ["legacy / top-k", "legacy / top-k + ckpt", "top-k / top-k + ckpt"]
+    headers = ["vocab", "new tokens", *(f"{p} MiB" for p in PATHS), *ratios, "non-weight MiB: legacy / top-k / ckpt"]
+    return markdown_table([*headers, "worst phase error %"], rows, ["---:"] * (len(headers) + 1))
 
 
 def reading(cases: list[Case]) -> str:
@@ -330,11 +308,11 @@ def reading(cases: list[Case]) -> str:
     by = index(cases)
     ratios: dict[str, list[float]] = {"top-k": [], "top-k + ckpt": []}
     weights = []
-    for c in cases:
+    for c in (c for c in cases if not c.skipped):
         legacy = by.get((c.vocab, c.tokens, "legacy"))
-        if c.path in ratios and not c.skipped and legacy is not None and not legacy.skipped:
+        if c.path in ratios and legacy is not None and not legacy.skipped:
             ratios[c.path].append(legacy.step_peak / c.step_peak)
-        if c.path == "top-k" and not c.skipped and c.breakdown:
+        if c.path == "top-k" and c.breakdown:
             held = sum(c.breakdown.values()) or 1
             weights.append(sum(c.breakdown.get(k, 0) for k in ("parameters", "gradients", "optimizer_state")) / held)
     if not ratios["top-k"]:
@@ -355,62 +333,78 @@ def growth_table(cases: list[Case]) -> list[str]:
     if len(lengths) < 2:
         return ["(one length only: no growth to show)"]
     pairs = list(zip(lengths, lengths[1:]))
-    head = " | ".join(f"MiB / token {a}->{b}" for a, b in pairs)
-    lines = [f"| vocab | path | {head} |", "| ---: | --- |" + " ---: |" * len(pairs)]
     by = index(cases)
+    rows = []
     for vocab in sorted({c.vocab for c in cases}):
         for path in PATHS:
             cells = []
             for a, b in pairs:
                 (pa, oka), (pb, okb) = peak_of(by.get((vocab, a, path))), peak_of(by.get((vocab, b, path)))
                 cells.append(f"{(pb - pa) / (b - a) / MIB:,.2f}{'' if oka and okb else ' (predicted)'}")
-            lines.append(f"| {vocab:,} | {path} | {' | '.join(cells)} |")
-    return lines
+            rows.append([f"{vocab:,}", path, *cells])
+    headers = ["vocab", "path", *(f"MiB / token {a}->{b}" for a, b in pairs)]
+    return markdown_table(headers, rows, ["---:", "---", *["---:"] * len(pairs)])
+
+
+def mass_table(cases: list[Case]) -> list[str]:
+    """The mean ``gumbel/topk_mass`` per vocabulary and top-k path, beside k / V (a uniform distribution's)."""
+    masses: dict[tuple[int, str], list[float]] = {}
+    for c in cases:
+        if not c.skipped and c.path != "legacy":
+            masses.setdefault((c.vocab, c.path), []).extend(c.mass)
+    rows = [[f"{v:,}", p, f"{sum(m) / len(m):.5f}", f"{TOPK / v:.5f}"] for (v, p), m in sorted(masses.items())]
+    headers = ["vocab", "path", "mean over the measured steps", "k / V (uniform)"]
+    return markdown_table(headers, rows, ["---:", "---", "---:", "---:"])
 
 
 def breakdown_section(cases: list[Case]) -> list[str]:
     """Where the steady-state peak of the largest measured top-k config goes: the profiler's categories at the step
     peak for both top-k paths, then the estimate's component table of the plain top-k path."""
-    measured = [c for c in cases if not c.skipped and c.path in ("top-k", "top-k + ckpt")]
+    measured = [c for c in cases if not c.skipped and c.path != "legacy"]
     vocab, tokens = max((c.vocab, c.tokens) for c in measured)
     shown = [c for c in measured if (c.vocab, c.tokens) == (vocab, tokens)]
-    lines = [
-        f"#### vocab {vocab:,}, {tokens} new tokens: measured (`memory/breakdown/*` at the steady-state step peak)",
-        "",
-        "| category | " + " | ".join(f"{c.path} MiB | share" for c in shown) + " |",
-        "| --- |" + " ---: | ---: |" * len(shown),
-    ]
+    rows = []
     for category in (*CATEGORIES, "total"):
         cells = []
         for c in shown:
             total = sum(c.breakdown.values()) or 1
             b = total if category == "total" else c.breakdown.get(category, 0)
-            cells.append(f"{mib(b)} | {100 * b / total:.1f} %")
-        lines.append(f"| {category} | {' | '.join(cells)} |")
-    lines.append("")
-    lines.append(
-        "at the peak of phase: " + ", ".join(f"{c.path}: `{max(c.measured, key=c.measured.get)}`" for c in shown)
-    )
-    table = next(c for c in shown if c.path == shown[0].path).estimate.table().splitlines()
-    return [*lines, "", f"Predicted (the estimate's component table, {shown[0].path}):", "", "```", *table, "```"]
+            cells += [mib(b), f"{100 * b / total:.1f} %"]
+        rows.append([category, *cells])
+    at_peak = ", ".join(f"{c.path}: `{max(c.measured, key=c.measured.get)}`" for c in shown)
+    return [
+        f"#### vocab {vocab:,}, {tokens} new tokens: measured (`memory/breakdown/*` at the steady-state step peak)",
+        "",
+        *markdown_table(["category", *(h for c in shown for h in (f"{c.path} MiB", "share"))], rows),
+        "",
+        f"at the peak of phase: {at_peak}",
+        "",
+        f"Predicted (the estimate's component table, {shown[0].path}):",
+        "",
+        "```",
+        *shown[0].estimate.table().splitlines(),
+        "```",
+    ]
 
 
 def plot(cases: list[Case], png: Path) -> None:
     from matplotlib.figure import Figure  # no pyplot: no global backend state, Agg canvas only
 
-    vocabs = sorted({c.vocab for c in cases})
+    vocabs, lengths = sorted({c.vocab for c in cases}), sorted({c.tokens for c in cases})
     fig = Figure(figsize=(5.5 * len(vocabs), 4.2))
     axes = fig.subplots(1, len(vocabs), squeeze=False)[0]
     by = index(cases)
     for ax, vocab in zip(axes, vocabs):
         for path, color in zip(PATHS, ("tab:red", "tab:blue", "tab:green")):
-            points = [(t, *peak_of(by.get((vocab, t, path)))) for t in sorted({c.tokens for c in cases})]
-            xs, ys = [t for t, _, _ in points], [b / MIB for _, b, _ in points]
-            ax.plot(xs, ys, color=color, label=path, linestyle=":" if not all(ok for *_, ok in points) else "-")
-            ax.scatter([t for t, _, ok in points if ok], [b / MIB for _, b, ok in points if ok], color=color)
-            ax.scatter([t for t, _, ok in points if not ok], [b / MIB for _, b, ok in points if not ok],
-                       facecolors="none", edgecolors=color)  # fmt: skip
-        ax.set_xticks(sorted({c.tokens for c in cases}), [str(t) for t in sorted({c.tokens for c in cases})])
+            points = [(t, *peak_of(by.get((vocab, t, path)))) for t in lengths]  # (new tokens, bytes, measured?)
+            linestyle = "-" if all(ok for *_, ok in points) else ":"
+            ax.plot(
+                [t for t, *_ in points], [b / MIB for _, b, _ in points], color=color, label=path, linestyle=linestyle
+            )
+            for filled, style in ((True, dict(color=color)), (False, dict(facecolors="none", edgecolors=color))):
+                shown = [(t, b / MIB) for t, b, ok in points if ok is filled]
+                ax.scatter([t for t, _ in shown], [m for _, m in shown], **style)
+        ax.set_xticks(lengths, [str(t) for t in lengths])
         ax.set_xlabel("new tokens (full length, batch 2)")
         ax.set_ylabel("step peak held by tensors, MiB")
         ax.set_title(f"vocab {vocab:,}")
@@ -426,10 +420,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="vocab 49,152, 32 new tokens, the three paths; no files")
     parser.add_argument("--vocab", type=int, default=None, help="with --quick: this vocabulary (default 49,152)")
     parser.add_argument("--new-tokens", type=int, default=None, help="with --quick: this length (default 32)")
-    parser.add_argument("--max-gib", type=float, default=10.0,
-                        help="run a config only if its predicted step peak is below this (default 10)")  # fmt: skip
-    parser.add_argument("--out", type=Path, default=None,
-                        help="folder for gumbel_topk.md and the PNG (default bench/results; --quick writes none)")  # fmt: skip
+    parser.add_argument("--max-gib", type=float, default=10.0, help="run a config only if its predicted peak fits")
+    parser.add_argument("--out", type=Path, help="folder for gumbel_topk.md and the PNG (default bench/results)")
     return parser.parse_args(argv)
 
 
@@ -444,27 +436,22 @@ def run(opts: argparse.Namespace) -> list[Case]:
             dirs = build_models(Path(tmp), vocab)
             for tokens in lengths:
                 for path in PATHS:
-                    case = Case(vocab, tokens, path)
+                    case, start = Case(vocab, tokens, path), time.perf_counter()
                     with contextlib.redirect_stderr(io.StringIO()):
                         run_case(case, dirs, planned, opts.max_gib * GIB)
                     cases.append(case)
                     status = case.skipped or (
                         f"peak {mib(case.step_peak)} MiB (predicted {mib(case.predicted_peak)}), "
-                        f"{case.measure_s:.0f} s measured + {case.estimate_s:.0f} s predicted"
+                        f"{time.perf_counter() - start:.0f} s"
                     )
-                    print(f"  {case.name}: {status}", file=sys.stderr, flush=True)
+                    print(f"  V={vocab:,} C={tokens} {path}: {status}", file=sys.stderr, flush=True)
     return cases
 
 
 def report(
     cases: list[Case], cmd: str, wall: float, mass: tuple[float, float, int, int] | None, loads: list[float]
 ) -> str:
-    measured = [c for c in cases if not c.skipped]
-    masses: dict[tuple[int, str], list[float]] = {}
-    for c in measured:
-        if c.path in ("top-k", "top-k + ckpt"):
-            masses.setdefault((c.vocab, c.path), []).extend(c.mass)
-    worst = max(abs(c.error(p)) for c in measured for p in (*PHASES, None))
+    worst = max(abs(c.error(p)) for c in cases if not c.skipped for p in (*PHASES, None))
     width, padded = next((c.shapes[-1] for c in cases if c.shapes), (None, None))
     text = [
         *harness.header_lines(
@@ -501,13 +488,9 @@ def report(
         "",
         *growth_table(cases),
         "",
-    ]
-    text += [
         f"### Top-{TOPK} mass (`gumbel/topk_mass`)",
         "",
-        "| vocab | path | mean over the measured steps | k / V (uniform) |",
-        "| ---: | --- | ---: | ---: |",
-        *[f"| {v:,} | {p} | {sum(m) / len(m):.5f} | {TOPK / v:.5f} |" for (v, p), m in sorted(masses.items())],
+        *mass_table(cases),
         "",
         "The policies are random: their next-token distribution is nearly uniform, far flatter than a trained "
         "model's, so this mass is close to k / V and says nothing about the expected > 99.9 % either way.",
@@ -536,8 +519,8 @@ def main(argv: list[str] | None = None) -> str:
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
-    out_dir = opts.out if opts.out is not None else (None if opts.quick else RESULTS)
-    cmd = "python bench/bench_gumbel_topk.py" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
+    out_dir = opts.out or (None if opts.quick else RESULTS)
+    cmd = " ".join(["python bench/bench_gumbel_topk.py", *(argv if argv is not None else sys.argv[1:])])
     print(f"bench_gumbel_topk: {'writing to ' + str(out_dir) if out_dir else 'printing only'}", file=sys.stderr)
     start, load = time.perf_counter(), harness.load_average()
     cases = run(opts)
