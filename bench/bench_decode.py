@@ -46,9 +46,13 @@ from lit_rl.models import (
     sample_completions,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
-
 SIDES = {"generate": False, "own": "own", "compiled": "compiled"}  # side -> sample_completions' own_decode
+MIXED_NOTE = [
+    "",
+    "Under bf16-mixed, `generate` casts every weight at every token (Lightning's autocast keeps no cast cache) and "
+    "the own loop casts each `nn.Linear` weight once per rollout (`lit_rl/models/cast_once.py`); the compiled side "
+    "is not run (`-`).",
+]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -65,7 +69,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "rollout; the compiled side is left out",
     )
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "decode.md"), help="- prints only")
+    parser.add_argument("--out", default=str(harness.ROOT / "bench" / "results" / "decode.md"), help="- prints only")
     return parser.parse_args(argv)
 
 
@@ -99,11 +103,9 @@ def main(argv: list[str] | None = None) -> str:
     if reason is not None:
         raise SystemExit(f"the decode loop or its compiled step is off for the embedded model: {reason}")
     ids, mask = prompts(tokenizer, args.prompts)
-    rows = args.prompts * args.generations
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False, enabled=args.bf16_mixed)
-    with autocast:
+    with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False, enabled=args.bf16_mixed):
         results = measure(model, tokenizer, ids, mask, args, sides)
-    return write(args, argv, rows, sides, results)
+    return write(args, argv, results)
 
 
 def measure(model, tokenizer, ids, mask, args, sides: list[str]) -> list[tuple]:
@@ -144,7 +146,8 @@ def measure(model, tokenizer, ids, mask, args, sides: list[str]) -> list[tuple]:
     return results
 
 
-def write(args, argv, rows: int, sides: list[str], results: list[tuple]) -> str:
+def write(args, argv, results: list[tuple]) -> str:
+    rows = args.prompts * args.generations
     precision = "float32 weights under bf16 autocast (bf16-mixed)" if args.bf16_mixed else args.dtype
     argv = argv if argv is not None else sys.argv[1:]
     lines = harness.header_lines(
@@ -171,19 +174,13 @@ def write(args, argv, rows: int, sides: list[str], results: list[tuple]) -> str:
         "has paid for the compilation (`never`: no saving). `same tokens` compares each loop's tokens with "
         "`generate`'s, greedy (one untimed run) / sampled (the timed runs); the compiled step's logits are close "
         "to, not bitwise equal to, `generate`'s.",
+        *(MIXED_NOTE if args.bf16_mixed else []),
         "",
         "| new tokens | generate s | own loop s | compiled s | compile s | first compiled s "
         "| generate tokens/s | own loop tokens/s | compiled tokens/s | own vs generate | compiled vs generate "
         "| break-even | same tokens: own | same tokens: compiled | load |",
         "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- | ---: |",
     ]
-    if args.bf16_mixed:
-        lines[-3:-3] = [
-            "",
-            "Under bf16-mixed, `generate` casts every weight at every token (Lightning's autocast keeps no cast "
-            "cache) and the own loop casts each `nn.Linear` weight once per rollout (`lit_rl/models/cast_once.py`); "
-            "the compiled side is not run (`-`).",
-        ]
     for length, best, compile_s, first, same, load in results:
         tokens = rows * length
         g, o, c = best["generate"], best["own"], best.get("compiled")

@@ -23,8 +23,6 @@ what ``--optimizer bitsandbytes.optim.AdamW8bit`` runs (the ``qlora`` extra). Wr
 from __future__ import annotations
 
 import argparse
-import functools
-import importlib
 import json
 import statistics
 import time
@@ -33,7 +31,7 @@ import harness
 import torch
 
 from lit_rl.memory import read_peak_rss, read_rss, reset_peak_rss
-from lit_rl.models import build_optimizer, load_causal_lm
+from lit_rl.models import build_optimizer, load_causal_lm, optimizer_class
 
 CANDIDATES = {  # name: (import path, keyword arguments); lit-rl's rows are built as `lit-rl fit --optimizer` builds
     "torch AdamW (fused, fp32 state)": ("torch.optim.AdamW", {"fused": True}),
@@ -47,21 +45,10 @@ BF16_CANDIDATES = {
     "bitsandbytes AdamW8bit as lit-rl steps it": ("lit-rl:bitsandbytes.optim.AdamW8bit", {}),
 }
 RESULTS = harness.ROOT / "bench" / "results"
-
-
-def _import(path: str):
-    if path.startswith("lit-rl:"):  # what --optimizer builds: on a CPU, bitsandbytes' 8-bit step in slices
-        spec = {"class_path": path.removeprefix("lit-rl:")}
-        return None if _import(spec["class_path"]) is None else functools.partial(_built, spec)
-    module, _, name = path.rpartition(".")
-    try:
-        return getattr(importlib.import_module(module), name)
-    except ImportError:
-        return None
-
-
-def _built(spec: dict, params, *, lr: float, weight_decay: float, **kwargs) -> torch.optim.Optimizer:
-    return build_optimizer({**spec, "init_args": kwargs}, params, lr=lr, weight_decay=weight_decay)
+COLUMNS = (
+    "optimizer | `--optimizer` | state (MiB) | bytes / weight | step scratch (MiB) | first step (s) | step (s, median) "
+    "| drift | update kept"
+).split(" | ")
 
 
 def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
@@ -77,9 +64,13 @@ def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
     return total
 
 
-def measure(cls, kwargs: dict, start: list[torch.Tensor], steps: int, lr: float, dtype=torch.float32) -> dict:
+def measure(path: str, kwargs: dict, start: list[torch.Tensor], steps: int, lr: float, dtype=torch.float32) -> dict:
     params = [torch.nn.Parameter(w.to(dtype, copy=True)) for w in start]
-    optimizer = cls(params, lr=lr, weight_decay=0.0, **kwargs)
+    if path.startswith("lit-rl:"):  # what --optimizer builds: on a CPU, bitsandbytes' 8-bit step in slices
+        spec = {"class_path": path.removeprefix("lit-rl:"), "init_args": kwargs}
+        optimizer = build_optimizer(spec, params, lr=lr, weight_decay=0.0)
+    else:
+        optimizer = optimizer_class(path)(params, lr=lr, weight_decay=0.0, **kwargs)
     generator = torch.Generator().manual_seed(0)
     times, scratch = [], []
     for _ in range(steps):
@@ -100,6 +91,23 @@ def measure(cls, kwargs: dict, start: list[torch.Tensor], steps: int, lr: float,
     }
 
 
+def _cells(r: dict) -> list[str]:
+    if not r["installed"]:
+        return [r["optimizer"], f"`{r['class_path']}`", "not installed", *[""] * 6]
+    scratch = "n/a" if r["step_scratch_bytes"] is None else f"{r['step_scratch_bytes'] / 2**20:.0f}"
+    return [
+        r["optimizer"],
+        f"`{r['class_path'].removeprefix('lit-rl:')}`",
+        f"{r['state_bytes'] / 2**20:.1f}",
+        f"{r['bytes_per_weight']:.3f}",
+        scratch,
+        f"{r['first_step_s']:.3f}",
+        f"{r['step_s']:.3f}",
+        f"{r['drift']:.4f}",
+        f"{r['kept']:.3f}",
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="embedded")
@@ -115,13 +123,14 @@ def main() -> None:
     n = sum(w.numel() for w in start)
     loads, rows = [harness.load_average()], []
     # the drift's reference: fp32 AdamW on float32 weights (the first row of the float32 table)
-    reference = measure(torch.optim.AdamW, {"fused": True}, start, steps, args.lr)["weights"] if bf16 else None
+    reference = measure("torch.optim.AdamW", {"fused": True}, start, steps, args.lr)["weights"] if bf16 else None
     for name, (path, kwargs) in (BF16_CANDIDATES if bf16 else CANDIDATES).items():
-        cls = _import(path)
-        if cls is None:
+        try:
+            optimizer_class(path.removeprefix("lit-rl:"))
+        except ValueError:  # its package is not installed
             rows.append({"optimizer": name, "class_path": path, "installed": False})
             continue
-        result = measure(cls, kwargs, start, steps, args.lr, dtype)
+        result = measure(path, kwargs, start, steps, args.lr, dtype)
         weights = result.pop("weights")
         if reference is None:
             reference = weights
@@ -150,20 +159,8 @@ def main() -> None:
         "AdamW's: 1 where it moves the weights as far as fp32 AdamW does on average (its noise aside), below 1 where "
         "rounding loses updates.",
         "",
-        "| optimizer | `--optimizer` | state (MiB) | bytes / weight | step scratch (MiB) | first step (s) "
-        "| step (s, median) | drift | update kept |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        *harness.markdown_table(COLUMNS, [_cells(r) for r in rows], align=["---", "---"] + ["---:"] * 7),
     ]
-    for r in rows:
-        if not r["installed"]:
-            lines.append(f"| {r['optimizer']} | `{r['class_path']}` | not installed | | | | | | |")
-            continue
-        scratch = "n/a" if r["step_scratch_bytes"] is None else f"{r['step_scratch_bytes'] / 2**20:.0f}"
-        lines.append(
-            f"| {r['optimizer']} | `{r['class_path'].removeprefix('lit-rl:')}` | {r['state_bytes'] / 2**20:.1f} "
-            f"| {r['bytes_per_weight']:.3f} | {scratch} | {r['first_step_s']:.3f} | {r['step_s']:.3f} | {r['drift']:.4f} "
-            f"| {r['kept']:.3f} |"
-        )
     print("\n".join(lines))
     if not args.quick:
         stem = "optimizer_bf16" if bf16 else "optimizer"

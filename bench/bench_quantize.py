@@ -43,14 +43,17 @@ from pathlib import Path
 import harness
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "bench" / "results"
+RESULTS = harness.ROOT / "bench" / "results"
 BLOCK = 64  # weights per absmax scale, QLoRA's choice
 SCALER_BLOCK = 256  # scales per second-level scale (double quantization), QLoRA's choice
 RANK = 16
 SHAPES = ((2048, 576, 1536), (2048, 576, 576))  # (tokens, in, out)
 QUICK_SHAPES = ((64, 128, 192),)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+COLUMNS = (
+    "backend | dtype | tokens x in -> out | fwd+bwd ms | vs dense | no-grad fwd ms | vs dense | value err | grad err "
+    "| bytes / param"
+).split(" | ")
 
 
 # ---------------------------------------------------------------------------------------------- backends
@@ -159,11 +162,11 @@ def _try(fn: Callable[[], str]) -> str:
         return f"no: {type(exc).__name__}: {str(exc).splitlines()[0][:90]}"
 
 
-def _lora(layer: torch.nn.Module, dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
+def _lora(layer: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     """``layer`` under peft's LoRA (rank 16), adapters initialised randomly so that both paths carry signal."""
     from peft import LoraConfig, get_peft_model
 
-    torch.manual_seed(seed)
+    torch.manual_seed(0)
     config = LoraConfig(r=RANK, lora_alpha=2 * RANK, target_modules=["0"], init_lora_weights=False)
     model = get_peft_model(torch.nn.Sequential(layer), config)
     for name, p in model.named_parameters():
@@ -181,8 +184,8 @@ def checks(backend: Backend) -> dict[str, str]:
     )
 
     def peft_layer() -> str:
-        model = _lora(backend.build(torch.randn(64, 128, generator=gen)), torch.float32)
-        return f"yes ({type(model.base_model.model[0]).__module__.split('.')[-1]}.{type(model.base_model.model[0]).__name__})"
+        wrapped = type(_lora(backend.build(torch.randn(64, 128, generator=gen)), torch.float32).base_model.model[0])
+        return f"yes ({wrapped.__module__.split('.')[-1]}.{wrapped.__name__})"
 
     out["peft LoRA wraps it"] = _try(peft_layer)
 
@@ -226,18 +229,6 @@ def checks(backend: Backend) -> dict[str, str]:
 
 
 # ---------------------------------------------------------------------------------------------- timing
-@dataclass
-class Row:
-    backend: str
-    dtype: str
-    shape: tuple[int, int, int]
-    train_ms: float
-    nograd_ms: float
-    value_err: float
-    grad_err: float
-    bytes_per_param: float
-
-
 def _median_ms(fn: Callable[[], None], repeats: int) -> float:
     fn()  # warm-up: one-off packing, allocator, first-call dispatch
     times = []
@@ -252,7 +243,9 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b).abs().max() / b.abs().max()).item()
 
 
-def measure(backend: Backend, dtype: torch.dtype, shape: tuple[int, int, int], repeats: int) -> Row:
+def measure(backend: Backend, dtype: torch.dtype, shape: tuple[int, int, int], repeats: int) -> dict[str, float]:
+    """Median milliseconds of the LoRA-wrapped layer's fwd+bwd and no-grad forward, its errors against float64,
+    and the stored weight's bytes per parameter."""
     tokens, d_in, d_out = shape
     gen = torch.Generator().manual_seed(1)
     weight = (torch.randn(d_out, d_in, generator=gen) / d_in**0.5).to(dtype)  # [out, in]
@@ -288,29 +281,11 @@ def measure(backend: Backend, dtype: torch.dtype, shape: tuple[int, int, int], r
     value_err = _rel(y.detach(), y64.detach())
     # nan: no input gradient at all (bitsandbytes' CPU repack)
     grad_err = max(_rel(xi.grad, x64.grad) if xi.grad is not None else float("nan"), _rel(lora_a.grad, a64.grad))
-    return Row(backend.name, str(dtype).removeprefix("torch."), shape, train_ms, nograd_ms, value_err, grad_err,
-               stored / weight.numel())  # fmt: skip
+    return {"train_ms": train_ms, "nograd_ms": nograd_ms, "value_err": value_err, "grad_err": grad_err,
+            "bytes_per_param": stored / weight.numel()}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------- report
-def table(rows: list[Row], dense: dict[tuple[str, tuple[int, int, int]], Row]) -> list[str]:
-    lines = [
-        "| backend | dtype | tokens x in -> out | fwd+bwd ms | vs dense | no-grad fwd ms | vs dense | "
-        "value err | grad err | bytes / param |",
-        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]
-    for r in rows:
-        base = dense.get((r.dtype, r.shape))
-        ratio = f"{r.train_ms / base.train_ms:.2f}x" if base else "-"
-        ratio_ng = f"{r.nograd_ms / base.nograd_ms:.2f}x" if base else "-"
-        t, i, o = r.shape
-        lines.append(
-            f"| {r.backend} | {r.dtype} | {t} x {i} -> {o} | {r.train_ms:.1f} | {ratio} | {r.nograd_ms:.1f} | "
-            f"{ratio_ng} | {r.value_err:.1e} | {r.grad_err:.1e} | {r.bytes_per_param:.4f} |"
-        )
-    return lines
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="small shapes, 2 repeats, print only")
@@ -324,9 +299,7 @@ def main(argv: list[str] | None = None) -> str:
     warnings.filterwarnings("ignore")
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # an optional CPU kernel package it looks for
     logging.getLogger("torchao").setLevel(logging.ERROR)  # its CUDA-only extensions fail to load on CPU
-    cmd = "OMP_NUM_THREADS=1 python bench/bench_quantize.py" + "".join(
-        f" {a}" for a in (argv if argv is not None else sys.argv[1:])
-    )
+    cmd = " ".join(["OMP_NUM_THREADS=1 python bench/bench_quantize.py", *(argv if argv is not None else sys.argv[1:])])
     out_dir = opts.out if opts.out is not None else (None if opts.quick else RESULTS)
     repeats = opts.repeats or (2 if opts.quick else 7)
     shapes = QUICK_SHAPES if opts.quick else SHAPES
@@ -338,14 +311,28 @@ def main(argv: list[str] | None = None) -> str:
     rows = []
     for dtype_name, dtype in DTYPES.items():
         for shape in shapes:
-            for b in backends:
-                rows.append(measure(b, dtype, shape, repeats))
-                print(f"  {b.name} {dtype_name} {shape}: {rows[-1].train_ms:.1f} ms", file=sys.stderr, flush=True)
+            dense = None
+            for b in backends:  # the dense baseline first: the "vs dense" columns divide by its times
+                r = measure(b, dtype, shape, repeats)
+                dense = dense or r
+                print(f"  {b.name} {dtype_name} {shape}: {r['train_ms']:.1f} ms", file=sys.stderr, flush=True)
+                rows.append(
+                    [
+                        b.name,
+                        dtype_name,
+                        "{} x {} -> {}".format(*shape),
+                        f"{r['train_ms']:.1f}",
+                        f"{r['train_ms'] / dense['train_ms']:.2f}x",
+                        f"{r['nograd_ms']:.1f}",
+                        f"{r['nograd_ms'] / dense['nograd_ms']:.2f}x",
+                        f"{r['value_err']:.1e}",
+                        f"{r['grad_err']:.1e}",
+                        f"{r['bytes_per_param']:.4f}",
+                    ]
+                )
     wall = time.perf_counter() - start
     load_end = harness.load_average()
-    dense = {(r.dtype, r.shape): r for r in rows if r.backend.startswith("dense")}
     names = [b.name for b in backends]
-    questions = list(next(iter(found_checks.values())).keys()) if found_checks else []
     text = [
         *harness.header_lines(
             "A 4-bit NF4 frozen base: bitsandbytes vs torchao",
@@ -361,9 +348,11 @@ def main(argv: list[str] | None = None) -> str:
         "",
         "### What a QLoRA policy needs",
         "",
-        "| check | " + " | ".join(names) + " |",
-        "| --- | " + " | ".join("---" for _ in names) + " |",
-        *(f"| {q} | " + " | ".join(found_checks[n][q] for n in names) + " |" for q in questions),
+        *harness.markdown_table(
+            ["check", *names],
+            [[q, *(found_checks[n][q] for n in names)] for q in found_checks[names[0]]],
+            ["---"] * (len(names) + 1),
+        ),
         "",
         f"### Speed, error and size (median of {repeats}; LoRA rank {RANK} through peft, block {BLOCK})",
         "",
@@ -373,7 +362,7 @@ def main(argv: list[str] | None = None) -> str:
         "backend decodes (output; input and lora_A gradients). bytes / param: the stored weight with its scales "
         "(and second-level scales, code books), per weight.",
         "",
-        *table(rows, dense),
+        *harness.markdown_table(COLUMNS, rows, ["---"] * 3 + ["---:"] * 7),
         "",
         "Bytes per parameter from the format (QLoRA, arXiv 2305.14314): 4 bits + a float32 absmax per 64 weights = "
         "0.5625; with double quantization, an 8-bit absmax per 64 weights and a float32 per 256 of those = "

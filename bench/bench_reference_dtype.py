@@ -26,8 +26,8 @@ from lit_rl.memory import estimate_step
 RESULTS = harness.ROOT / "bench" / "results" / "reference_dtype.md"
 
 
-def _method(config: str, dtype: str, extra: list[str]):
-    module, datamodule, _ = parse_fit_config(["--config", config, "--model.init_args.reference_dtype", dtype, *extra])
+def _method(config: str, dtype: str):
+    module, datamodule, _ = parse_fit_config(["--config", config, "--model.init_args.reference_dtype", dtype])
     module.setup("fit")
     datamodule.connect(module.tokenizer)
     datamodule.setup("fit")
@@ -40,10 +40,10 @@ def _k3(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor) -> float:
     return float(masked_mean(delta.exp() - delta - 1, mask))
 
 
-def measure(config: str, extra: list[str], noise: float) -> dict:
+def measure(config: str, noise: float) -> dict:
     torch.manual_seed(0)
-    same, datamodule = _method(config, "same", extra)
-    half, _ = _method(config, "bfloat16", extra)
+    same, datamodule = _method(config, "same")
+    half, _ = _method(config, "bfloat16")
     half.policy.load_state_dict(same.policy.state_dict())
     half.reference.load_state_dict({k: v.to(torch.bfloat16) for k, v in same.reference.state_dict().items()})
     batch = next(iter(datamodule.train_dataloader()))
@@ -82,7 +82,7 @@ def main() -> None:
     args = parser.parse_args()
     config = "configs/grpo_tiny.yaml" if args.quick else args.config
     loads = [harness.load_average()]
-    r = measure(str(harness.ROOT / config), [], args.noise)
+    r = measure(str(harness.ROOT / config), args.noise)
     loads.append(harness.load_average())
     (ref32, peak32), (ref16, peak16) = r["sizes"]["same"], r["sizes"]["bfloat16"]
     rel = abs(r["kl_moved"][1] - r["kl_moved"][0]) / r["kl_moved"][0] if r["kl_moved"][0] else float("nan")

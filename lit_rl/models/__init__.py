@@ -42,7 +42,13 @@ from lit_rl.models.loading import (
     resolve_dtype,
     resolve_source,
 )
-from lit_rl.models.optimizers import StochasticAdamW, build_optimizer, default_optimizer, keeps_bf16_updates
+from lit_rl.models.optimizers import (
+    StochasticAdamW,
+    build_optimizer,
+    default_optimizer,
+    keeps_bf16_updates,
+    optimizer_class,
+)
 from lit_rl.models.quantize import nf4_memory, quantize_base_nf4
 from lit_rl.models.reward import (
     forward_soft_embeds,
@@ -72,6 +78,7 @@ __all__ = [
     "build_on_meta",
     "build_optimizer",
     "default_optimizer",
+    "optimizer_class",
     "cache_dir",
     "cache_keyword",
     "cache_kwargs",
