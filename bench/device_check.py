@@ -50,6 +50,7 @@ from typing import Any
 import harness
 import lightning as L
 import torch
+import vs_trl
 from lightning.pytorch.callbacks import Callback
 
 from lit_rl.callbacks import ActivationOffloading, EmptyCache, MemoryProfiler, OOMReport
@@ -163,6 +164,11 @@ def _data(sizes: Sizes) -> PromptDataModule:
     )
 
 
+def _error(err: Exception) -> str:
+    """An exception in one line: its type and its message's first line, at most 300 characters."""
+    return f"{type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}"
+
+
 def _clear() -> None:
     gc.collect()
     if torch.cuda.is_available():
@@ -232,9 +238,7 @@ class Predictions:
             try:
                 predicted = [f.result() for f in futures]
             except Exception as err:  # a failed prediction is that entry's note, not the end of the check
-                entry["prediction_error"] = (
-                    f"{type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}"
-                )
+                entry["prediction_error"] = _error(err)
                 continue
             for row in entry["phases"]:
                 values = [p[row["phase"]] for p in predicted if row["phase"] in p]
@@ -554,27 +558,22 @@ def _oom_entry(case: Case, sizes: Sizes, args) -> dict:
             "alive_after": torch.ones(1, device="cuda").item() == 1.0}  # fmt: skip
 
 
-@dataclass(frozen=True)
-class TrlSetup:
-    """One lit-rl against TRL comparison: bench/grpo_vs_trl.yaml's work (2 prompts x 4 completions, all forced to
-    ``length`` tokens, dapo, beta 0.04, LoRA r 16 on every linear layer, activation checkpointing on both sides)."""
-
-    name: str
-    model: str
-    length: int
-    bf16: bool = True  # bf16 mixed precision on both sides (float32 weights)
-
-
-TRL_SETUPS = (
-    TrlSetup("0.5B LoRA, 256 tokens, bf16-mixed", "shape:qwen2.5-0.5b", 256),
-    TrlSetup("1.5B LoRA, 256 tokens, bf16-mixed", "shape:qwen2.5-1.5b", 256),
-)
-QUICK_TRL_SETUPS = (TrlSetup("tiny LoRA, 4 tokens, fp32", "tiny:qwen2", 4, bf16=False),)
+# bench/grpo_vs_trl.yaml's work (2 prompts x 4 completions, all forced to the length, dapo, beta 0.04, LoRA r 16 on
+# every linear layer, activation checkpointing on both sides) on a random-weight model: {model: vs_trl's setup}
+TRL_SETUPS = {
+    "shape:qwen2.5-0.5b": vs_trl.Setup(
+        "0.5B LoRA, 256 tokens, bf16-mixed", 256, lora=True, checkpointing=True, bf16=True
+    ),
+    "shape:qwen2.5-1.5b": vs_trl.Setup(
+        "1.5B LoRA, 256 tokens, bf16-mixed", 256, lora=True, checkpointing=True, bf16=True
+    ),
+}
+QUICK_TRL_SETUPS = {"tiny:qwen2": vs_trl.Setup("tiny LoRA, 4 tokens, fp32", 4, lora=True, checkpointing=True)}
 
 
 def part_vs_trl(args, cases, sizes, record) -> None:
-    for setup in QUICK_TRL_SETUPS if args.quick else TRL_SETUPS:
-        record("vs_trl", setup.name, lambda s=setup: _vs_trl_entry(s, args))
+    for model, setup in (QUICK_TRL_SETUPS if args.quick else TRL_SETUPS).items():
+        record("vs_trl", setup.name, lambda m=model, s=setup: _vs_trl_entry(m, s, args))
 
 
 def _model_folder(model: str, root: Path) -> Path:
@@ -592,71 +591,53 @@ def _model_folder(model: str, root: Path) -> Path:
     return folder
 
 
-def _vs_trl_entry(setup: TrlSetup, args) -> dict:
-    """Both sides in fresh processes, one after the other, on the same model folder and the same work."""
+def _vs_trl_entry(model: str, setup: vs_trl.Setup, args) -> dict:
+    """Both sides in fresh processes, one after the other, on the same model folder and the same work (bench/vs_trl.py's
+    commands, without its roofline), then lit-rl with the planner's tactics for half of TRL's peak."""
     import importlib.util
 
     if importlib.util.find_spec("trl") is None:
         return {"skipped": "trl is not installed (pip install 'lit-rl[bench]', or carry its wheel)"}
-    root = Path(args.workdir) / "vs_trl"
-    folder = _model_folder(setup.model, root)
+    root, name = Path(args.workdir) / "vs_trl", model.replace(":", "_")
+    folder = _model_folder(model, root)
     steps = 2 if args.quick else 4
-    env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
-    env["PYTHONPATH"] = os.pathsep.join([str(harness.ROOT), str(harness.ROOT / "bench"), env.get("PYTHONPATH", "")])
-    cuda = torch.cuda.is_available()
-    out: dict[str, Any] = {"model": setup.model, "length": setup.length, "steps": steps}
-    # the work, without the checkpointing the equal-settings side adds (as TRL's gradient_checkpointing): the planner
-    # chooses its own and refuses a config that has it already
-    work = ["--config", "bench/grpo_vs_trl.yaml", "--model.init_args.name_or_path", str(folder),
-            "--trainer.accelerator", "auto", "--model.init_args.max_new_tokens", str(setup.length),
-            "--model.init_args.min_new_tokens", str(setup.length),
-            "--model.init_args.lora.r", "16", "--trainer.precision", "bf16-mixed" if setup.bf16 else "32-true",
-            "--trainer.max_steps", str(steps), "--trainer.default_root_dir", str(root / "runs")]  # fmt: skip
-    for side in ("lit-rl", "trl", "lit-rl planned"):
-        record_file = root / f"{side.replace(' ', '_')}_{setup.model.replace(':', '_')}.json"
-        timer = ["--trainer.callbacks+", "step_timer.StepTimer", "--trainer.callbacks+.out", str(record_file)]
-        if side == "lit-rl":
-            command = [sys.executable, "-m", "lit_rl", "fit", *work, "--config", CHECKPOINTING, *timer]
-        elif side == "trl":
-            command = [sys.executable, str(harness.ROOT / "bench" / "trl_child.py"), "--model", str(folder),
-                       "--length", str(setup.length), "--lora", "--steps", str(steps), "--out", str(record_file),
-                       *(["--bf16"] if setup.bf16 else []), *(["--cuda"] if cuda else [])]  # fmt: skip
-        else:
-            plan_file = root / f"plan_{setup.model.replace(':', '_')}.yaml"
-            planned = _plan_for_half_of_trl(out.get("trl", {}), work, plan_file, env)
-            out["plan"] = planned
-            if "plan_file" not in planned:
+    lit_rl = ["--model.init_args.name_or_path", str(folder), "--trainer.accelerator", "auto"]
+    trl = ["--model", str(folder)] + (["--cuda"] if torch.cuda.is_available() else [])
+    own = {"lit-rl": lit_rl, vs_trl.PLANNED: lit_rl, "TRL": trl}
+    out: dict[str, Any] = {"model": model, "length": setup.length, "steps": steps}
+    for side, key in (("lit-rl", "lit-rl"), ("TRL", "trl"), (vs_trl.PLANNED, "lit-rl planned")):
+        record_file, plan = root / f"{key.replace(' ', '_')}_{name}.json", None
+        if side == vs_trl.PLANNED:  # the work without the checkpointing callback: the planner chooses its own
+            work = [*setup.lit_rl_args(planned=True), *lit_rl]
+            out["plan"] = _plan_for_half_of_trl(out.get("trl", {}), work, root / f"plan_{name}.yaml")
+            if "plan_file" not in out["plan"]:
                 continue
-            command = [sys.executable, "-m", "lit_rl", "fit", *work, "--config", planned["plan_file"], *timer]
+            plan = out["plan"]["plan_file"]
+        command = vs_trl.child_command(setup, side, steps, str(record_file), str(root / "runs"), None, plan)
         start = time.perf_counter()
-        done = subprocess.run(command, cwd=harness.ROOT, env=env, capture_output=True, text=True)
+        done = subprocess.run(
+            [*command, *own[side]], cwd=harness.ROOT, env=vs_trl.child_env(), capture_output=True, text=True
+        )
         if done.returncode != 0:
-            out[side] = {"error": f"exit {done.returncode}: {harness.last_line(done)}"}
+            out[key] = {"error": f"exit {done.returncode}: {harness.last_line(done)}"}
             continue
         got = json.loads(record_file.read_text())
-        later = sorted(got["step_s"][1:] or got["step_s"])
-        out[side] = {"step_s": later[len(later) // 2], "wall_s": time.perf_counter() - start,
-                     "max_allocated_gib": got.get("cuda_max_allocated_bytes", 0) / GIB or None,
-                     "max_reserved_gib": got.get("cuda_max_reserved_bytes", 0) / GIB or None,
-                     "peak_rss_gib": got["peak_rss_bytes"] / GIB}  # fmt: skip
+        out[key] = {"step_s": vs_trl.median_after_first(got["step_s"]), "wall_s": time.perf_counter() - start,
+                    "max_allocated_gib": got.get("cuda_max_allocated_bytes", 0) / GIB or None,
+                    "max_reserved_gib": got.get("cuda_max_reserved_bytes", 0) / GIB or None,
+                    "peak_rss_gib": got["peak_rss_bytes"] / GIB}  # fmt: skip
     return out
 
 
-CHECKPOINTING = "callbacks/activation_checkpointing.yaml"
-
-
-def _plan_for_half_of_trl(trl: dict, work: list[str], plan_file: Path, env: dict) -> dict:
+def _plan_for_half_of_trl(trl: dict, work: list[str], plan_file: Path) -> dict:
     """``lit-rl estimate --plan`` for half of TRL's peak on the same work, every tactic allowed: the budget is TRL's
     allocated peak on CUDA; on a CPU, which has no allocator, half its peak RSS (a smoke test: the tiny model's tensors
     are far below it). The plan's line of the planner's table, its budget, and the plan file to train with."""
     stat = "max_allocated_gib" if trl.get("max_allocated_gib") else "peak_rss_gib"
     if not trl.get(stat):
         return {"skipped": "TRL did not run: no budget to plan for"}
-    budget = trl[stat] / 2
-    command = [sys.executable, "-m", "lit_rl", "estimate", *work, "--device-memory", f"{budget:.4f}GiB",
-               "--allow", "all", "--plan", str(plan_file)]  # fmt: skip
-    done = subprocess.run(command, cwd=harness.ROOT, env=env, capture_output=True, text=True)
-    planned = {"budget_gib": budget, "budget_from": stat}
+    planned = {"budget_gib": trl[stat] / 2, "budget_from": stat}
+    done = vs_trl.estimate_plan(work, planned["budget_gib"], plan_file)
     if done.returncode != 0:  # exit 2 when no plan fits: its last line names the smallest peak reached
         return planned | {"error": f"exit {done.returncode}: {harness.last_line(done)}"}
     chosen = harness.planner_choice(done.stdout)
@@ -920,9 +901,7 @@ def main(argv: list[str] | None = None) -> dict:
             results[part][key] = measure()
         except Exception as err:  # one failure is a row, not the end of the check
             traceback.print_exc()
-            results[part][key] = {
-                "error": f"{type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}"
-            }
+            results[part][key] = {"error": _error(err)}
             _clear()
         results["seconds"][f"{part}: {key}"] = time.perf_counter() - start
         print(f"[device_check] {part}: {key} done in {results['seconds'][f'{part}: {key}']:.1f} s", flush=True)

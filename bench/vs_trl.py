@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
 import re
 import shlex
 import statistics
@@ -58,7 +57,6 @@ from pathlib import Path
 import harness
 from harness import ChildFailed, measure_rates, run_measured
 
-ROOT = Path(__file__).resolve().parents[1]
 RATES = "bench/results/vs_trl_rates.json"  # written by harness.measure_rates at the start of every full comparison
 
 
@@ -93,12 +91,8 @@ class Setup:
         args = ["--config", "bench/grpo_vs_trl.yaml"]
         if self.checkpointing and not planned:
             args += ["--config", CHECKPOINTING]
-        args += [
-            "--model.init_args.max_new_tokens",
-            str(self.length),
-            "--model.init_args.min_new_tokens",
-            str(self.length),
-        ]
+        for key in ("max_new_tokens", "min_new_tokens"):  # every completion forced to the length
+            args += [f"--model.init_args.{key}", str(self.length)]
         if self.lora:  # LoraSettings' defaults: r 16, alpha 32, dropout 0, all-linear (TRL side: the same LoraConfig)
             args += ["--model.init_args.lora.r", "16"]
         if self.bf16:
@@ -238,22 +232,16 @@ def schedule(setups, rounds: int) -> list[tuple[Setup, int, str]]:
 
 
 def child_command(
-    setup: Setup, side: str, steps: int, out: str, root_dir: str, rates: str = RATES, plan: str | None = None
+    setup: Setup, side: str, steps: int, out: str, root_dir: str, rates: str | None = RATES, plan: str | None = None
 ) -> list[str]:
+    """One run's command (``rates`` None: the lit-rl side without the MemoryProfiler's roofline)."""
     if side in ("lit-rl", PLANNED):
         work = setup.lit_rl_args() if side == "lit-rl" else [*setup.lit_rl_args(planned=True), "--config", str(plan)]
         return [sys.executable, "-m", "lit_rl", "fit", *work, "--trainer.max_steps", str(steps),
                 "--trainer.default_root_dir", root_dir, "--trainer.callbacks+", "step_timer.StepTimer",
-                "--trainer.callbacks+.out", out, *profiler(rates)]  # fmt: skip
-    return [
-        sys.executable,
-        str(ROOT / "bench" / "trl_child.py"),
-        *setup.trl_args(),
-        "--steps",
-        str(steps),
-        "--out",
-        out,
-    ]
+                "--trainer.callbacks+.out", out, *(profiler(rates) if rates else [])]  # fmt: skip
+    trl_child = str(harness.ROOT / "bench" / "trl_child.py")
+    return [sys.executable, trl_child, *setup.trl_args(), "--steps", str(steps), "--out", out]
 
 
 def shown_command(setup: Setup, side: str, steps: int) -> str:
@@ -271,10 +259,8 @@ def shown_command(setup: Setup, side: str, steps: int) -> str:
 
 
 def child_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "bench"), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    return env
+    """Both sides' environment: this checkout and ``bench/`` on ``PYTHONPATH`` (:func:`harness.thread_env`)."""
+    return {"TOKENIZERS_PARALLELISM": "false", **harness.thread_env(None)}
 
 
 def run_child(
@@ -332,9 +318,16 @@ def _estimate(args: list[str], log) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "lit_rl", "estimate", *args]
     log(f"+ {shlex.join(cmd)}")
     start = time.perf_counter()
-    done = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True)
+    done = subprocess.run(cmd, cwd=harness.ROOT, env=child_env(), capture_output=True, text=True)
     log(f"  (exit {done.returncode}, {time.perf_counter() - start:.0f} s)")
     return done
+
+
+def estimate_plan(work: list[str], budget_gib: float, plan_file: Path, log=print, *extra: str):
+    """``lit-rl estimate <work> --device-memory B --allow all --plan plan_file <extra>``: the planner's tactics for
+    ``budget_gib`` (exit 2 when none fits, its last line naming the smallest peak reached)."""
+    budget = ["--device-memory", f"{budget_gib:.4f}GiB", "--allow", "all", "--plan", str(plan_file)]
+    return _estimate([*work, *budget, *extra], log)
 
 
 def plan_for_half_of_trl(c: Comparison, plan_file: Path, rates: str, log=print) -> Planned:
@@ -349,8 +342,7 @@ def plan_for_half_of_trl(c: Comparison, plan_file: Path, rates: str, log=print) 
     budget = tensor_budget(c.rss("TRL"), c.rss("lit-rl"), predicted * GIB) / GIB
 
     def plan(gib_: float) -> subprocess.CompletedProcess:
-        return _estimate([*c.setup.lit_rl_args(planned=True), "--device-memory", f"{gib_:.4f}GiB", "--allow", "all",
-                          "--plan", str(plan_file), "--rates", rates], log)  # fmt: skip
+        return estimate_plan(c.setup.lit_rl_args(planned=True), gib_, plan_file, log, "--rates", rates)
 
     done, leanest = plan(max(budget, 2**-20)), None  # B <= 0 too: the refusal names the smallest peak
     smallest = SMALLEST.search(harness.last_line(done)) if done.returncode == 2 else None

@@ -252,9 +252,10 @@ def test_a_phase_the_method_did_not_declare_is_refused():
 # ------------------------------------------------------------------------------------------------ bench/
 BENCH = ROOT / "bench"
 # the bench modules a bench file may import: the shared harness, the figure helpers, the reader of a run's held-out
-# completions (a command of its own too), and the legacy GumbelTopK baseline (a method subclass, no main) that
-# bench_gumbel_topk.py measures and its test checks
-BENCH_SHARED = {"harness", "plots", "heldout_examples", "gumbel_legacy"}
+# completions (a command of its own too), the legacy GumbelTopK baseline (a method subclass, no main) that
+# bench_gumbel_topk.py measures and its test checks, and the TRL side by side, whose setups and child commands the GPU
+# check (device_check.py) runs on CUDA rather than writing them again
+BENCH_SHARED = {"harness", "plots", "heldout_examples", "gumbel_legacy", "vs_trl"}
 
 
 def _public_names(module: str) -> set[str] | None:
