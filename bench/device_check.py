@@ -164,9 +164,9 @@ def _data(sizes: Sizes) -> PromptDataModule:
     )
 
 
-def _error(err: Exception) -> str:
-    """An exception in one line: its type and its message's first line, at most 300 characters."""
-    return f"{type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}"
+def _error(err: Exception, limit: int = 300) -> str:
+    """An exception in one line: its type and its message's first line, at most ``limit`` characters."""
+    return f"{type(err).__name__}: {str(err).splitlines()[0][:limit] if str(err) else ''}"
 
 
 def _clear() -> None:
@@ -550,7 +550,7 @@ def _oom_entry(case: Case, sizes: Sizes, args) -> dict:
     try:
         fit("grpo", case, sizes, Path(args.workdir) / "oom", callbacks=[report])
     except Exception as err:  # torch.OutOfMemoryError, as Lightning re-raises it
-        error = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
+        error = _error(err, 160)
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
     written = json.loads(Path(report.report_path).read_text()) if report.report_path else None

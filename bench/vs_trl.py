@@ -323,7 +323,7 @@ def _estimate(args: list[str], log) -> subprocess.CompletedProcess:
     return done
 
 
-def estimate_plan(work: list[str], budget_gib: float, plan_file: Path, log=print, *extra: str):
+def estimate_plan(work: list[str], budget_gib: float, plan_file: Path, *extra: str, log=print):
     """``lit-rl estimate <work> --device-memory B --allow all --plan plan_file <extra>``: the planner's tactics for
     ``budget_gib`` (exit 2 when none fits, its last line naming the smallest peak reached)."""
     budget = ["--device-memory", f"{budget_gib:.4f}GiB", "--allow", "all", "--plan", str(plan_file)]
@@ -342,7 +342,7 @@ def plan_for_half_of_trl(c: Comparison, plan_file: Path, rates: str, log=print) 
     budget = tensor_budget(c.rss("TRL"), c.rss("lit-rl"), predicted * GIB) / GIB
 
     def plan(gib_: float) -> subprocess.CompletedProcess:
-        return estimate_plan(c.setup.lit_rl_args(planned=True), gib_, plan_file, log, "--rates", rates)
+        return estimate_plan(c.setup.lit_rl_args(planned=True), gib_, plan_file, "--rates", rates, log=log)
 
     done, leanest = plan(max(budget, 2**-20)), None  # B <= 0 too: the refusal names the smallest peak
     smallest = SMALLEST.search(harness.last_line(done)) if done.returncode == 2 else None
