@@ -136,6 +136,34 @@ def test_a_cpu_8bit_step_in_slices_is_bitwise_the_whole_tensors_step(name, monke
     assert sorted(set(sliced_sizes)) == [5000 - 4 * 1024, 5110 - 4 * 1024, 1024]
 
 
+def _lowbias32(value: int) -> int:
+    """The hash-prospector's ``lowbias32`` in Python integers (no wrapping to trust), as a signed int32."""
+    value &= 0xFFFFFFFF
+    for shift, multiplier in ((16, 0x7FEB352D), (15, 0x846CA68B), (16, 1)):
+        value = ((value ^ (value >> shift)) * multiplier) & 0xFFFFFFFF
+    return value - (1 << 32) if value >= 1 << 31 else value
+
+
+@pytest.mark.parametrize("key", [0, 12345, 2**31 - 5, -(2**31), -7, 2**40 + 3])
+def test_random_bits_are_the_hash_of_index_plus_key_in_wrapping_int32(key):
+    """Every value against the hash in Python integers: an odd size (a vectorised body and a scalar tail), indices
+    that carry past 2^31 (the int32 addition and the multiplications wrap), keys beyond 32 bits taken modulo 2^32."""
+    bits = optimizers.random_bits(1037, key)
+    assert bits.dtype == torch.int32
+    assert bits.tolist() == [_lowbias32(key + i) for i in range(1037)]
+
+
+def test_random_bits_halves_are_uniform():
+    """Each 16-bit half of 2^20 values (one slice's draw: the weight's bits and the second moment's) spreads evenly
+    over 256 bins (chi-square, 255 degrees of freedom, below its 0.1% point 330.5), for two keys."""
+    for key in (99, optimizers._key(0, 3, 7, 1 << 20)):
+        bits = optimizers.random_bits(1 << 20, key)
+        for half in (bits & 0xFFFF, (bits >> 16) & 0xFFFF):
+            counts = torch.bincount(half >> 8, minlength=256).double()
+            expected = (1 << 20) / 256
+            assert float(((counts - expected) ** 2 / expected).sum()) < 330.5
+
+
 def test_stochastic_rounding_picks_a_neighbour_with_the_right_odds():
     """Against float64: every result is one of the two bf16 values around the input (the input itself when it is
     one), and the mean of many draws is the input, within the sampling error of that mean."""

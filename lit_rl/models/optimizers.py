@@ -30,7 +30,7 @@ spacing of the weight they change: at a full fine-tuning learning rate of 1e-5 a
 8-bit step update a float32 copy of each slice and write it back with stochastic rounding
 (:func:`stochastic_round_bf16`: up or down with probabilities that make the expected weight the float32 one), which
 keeps bf16 training close to float32 (Zamirai et al., "Revisiting BFloat16 Training", arXiv 2010.06192; torchao's
-8-bit AdamW offers the same as ``bf16_stochastic_round``). The random bits come from a generator seeded by the step,
+8-bit AdamW offers the same as ``bf16_stochastic_round``). The random bits (:func:`random_bits`) are keyed by the step,
 the tensor's place and the slice, so a run and its resume draw the same ones.
 """
 
@@ -50,6 +50,8 @@ METHOD_OPTIONS = {"lr": "learning_rate", "weight_decay": "weight_decay"}
 SLICE_VALUES = 1 << 20
 #: values per bitsandbytes quantization block of 8-bit optimizer state
 _BLOCK = 256
+#: the float32 bits that bf16 keeps
+_HIGH_HALF = -(1 << 16)
 
 
 def optimizer_class(class_path: str) -> type[torch.optim.Optimizer]:
@@ -108,17 +110,57 @@ def build_optimizer(
     return _sliced(cls)(params, **init_args)
 
 
-def stochastic_round_bf16(values: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+def stochastic_round_bf16(values: torch.Tensor, key: int | None = None) -> torch.Tensor:
     """bf16 of float32 ``values``, each rounded to one of its two bf16 neighbours with probability given by how near
     it is to each (so the expected result is ``values``): uniform random low 16 bits are added to the float32 bits,
-    which then lose their low 16 bits (magnitude rounding; the sign bit is untouched)."""
-    noise = torch.randint(0, 1 << 16, values.shape, dtype=torch.int32, device=values.device, generator=generator)
-    return _rounded_bf16(values, noise)
+    which then lose their low 16 bits (magnitude rounding; the sign bit is untouched). The bits are
+    :func:`random_bits` of ``key`` (by default a key drawn from torch's global generator)."""
+    if key is None:
+        key = int(torch.randint(-(1 << 31), 1 << 31, ()))
+    noise = random_bits(values.numel(), key, values.device).view(values.shape)
+    noise &= 0xFFFF
+    return ((values.view(torch.int32) + noise) & _HIGH_HALF).view(torch.float32).to(torch.bfloat16)
 
 
-def _rounded_bf16(values: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    """:func:`stochastic_round_bf16` with its 16 random bits per value given (``noise``, int32 in [0, 2^16))."""
-    return ((values.view(torch.int32) + noise) & -(1 << 16)).view(torch.float32).to(torch.bfloat16)
+def random_bits(
+    numel: int,
+    key: int,
+    device: torch.device | str = "cpu",
+    *,
+    out: torch.Tensor | None = None,
+    temp: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``numel`` int32 values of 32 random bits each, the same for the same ``key`` on every device: a counter-based
+    generator, the integer hash ``lowbias32`` (C. Wellons, github.com/skeeto/hash-prospector) of each value's index
+    plus ``key``, in int32 arithmetic that wraps. Elementwise and parallel, several times faster than
+    ``torch.randint``'s sequential Mersenne Twister on a CPU; the wrapping is tested against Python integers
+    (``tests/test_optimizers.py``). ``out`` and ``temp`` (int32, ``numel`` values, on the device) spare the two
+    allocations; the result is ``out``."""
+    x = torch.arange(numel, dtype=torch.int32, device=device if out is None else out.device, out=out)
+    temp = torch.empty_like(x) if temp is None else temp
+    x += _int32(key)
+    for shift, multiplier in ((16, 0x7FEB352D), (15, 0x846CA68B), (16, None)):
+        torch.bitwise_right_shift(x, shift, out=temp)
+        temp &= (1 << (32 - shift)) - 1  # a logical shift: the arithmetic shift's sign bits masked off
+        x ^= temp
+        if multiplier is not None:
+            x *= _int32(multiplier)
+    return x
+
+
+def _int32(value: int) -> int:
+    """``value`` modulo 2^32, as the signed int32 with those bits."""
+    value &= 0xFFFFFFFF
+    return value - (1 << 32) if value >= 1 << 31 else value
+
+
+def _round_into(out: torch.Tensor, values: torch.Tensor, noise: torch.Tensor) -> None:
+    """:func:`stochastic_round_bf16` of float32 ``values`` (overwritten) into bf16 ``out``, with its 16 random bits
+    per value given (``noise``, int32 in [0, 2^16))."""
+    bits = values.view(torch.int32)
+    bits += noise
+    bits &= _HIGH_HALF
+    out.copy_(values)  # exact: the low 16 bits are zero
 
 
 class StochasticAdamW(torch.optim.AdamW):
@@ -128,12 +170,12 @@ class StochasticAdamW(torch.optim.AdamW):
     the second moment rounded to nearest, so an update below half the weight's bf16 spacing is lost (most of them
     at a learning rate of 1e-5), and the second moment, which moves by ``1 - beta2`` = 0.1% of itself per step
     (less than half its own bf16 spacing), cannot decay. Here each bf16 weight is stepped :data:`SLICE_VALUES` values
-    at a time: the slice's weight, gradient and moments as float32 copies (16 MiB of scratch at most), torch's own
-    fused AdamW kernel on them, and the weight and the second moment written back with stochastic rounding
-    (:func:`stochastic_round_bf16`; one random draw of 32 bits gives both their 16 bits; the first moment moves by
-    10% per step: it is rounded to nearest). The state has torch's keys, dtypes and bytes (``step`` a Python int for
-    the stepped tensors). Every other tensor takes torch's own (fused) step. ``amsgrad``, ``maximize`` and
-    ``capturable`` are torch's alone: refused here.
+    at a time: the slice's weight, gradient and moments as float32 copies (with the random bits, 24 MiB of scratch
+    at most, allocated once per tensor), torch's own fused AdamW kernel on them, and the weight and the second
+    moment written back with stochastic rounding (:func:`stochastic_round_bf16`; one random draw of 32 bits gives
+    both their 16 bits; the first moment moves by 10% per step: it is rounded to nearest). The state has torch's
+    keys, dtypes and bytes (``step`` a Python int for the stepped tensors). Every other tensor takes torch's own
+    (fused) step. ``amsgrad``, ``maximize`` and ``capturable`` are torch's alone: refused here.
     """
 
     def __init__(self, params, lr: float = 1e-3, weight_decay: float = 1e-2, **kwargs: Any) -> None:
@@ -173,25 +215,31 @@ class StochasticAdamW(torch.optim.AdamW):
         weights, first, second = (t.view(-1) if t.is_contiguous() else t.reshape(-1) for t in kept)
         grads = _local(p.grad).reshape(-1)
         steps = torch.tensor(float(step), device=weights.device)
+        scratch = torch.empty(6, min(weights.numel(), SLICE_VALUES), device=weights.device)  # reused by every slice
         for start in range(0, weights.numel(), SLICE_VALUES):
             values = slice(start, start + SLICE_VALUES)
-            w, g, m, v = (t[values].float() for t in (weights, grads, first, second))
+            w, g, m, v, low, high = scratch[:, : weights[values].numel()]
+            for copy, kept_values in zip((w, g, m, v), (weights, grads, first, second), strict=True):
+                copy.copy_(kept_values[values])  # float32
             torch._fused_adamw_([w], [g], [m], [v], [], [steps], lr=lr, beta1=beta1, beta2=beta2,  # torch's kernel
                                 weight_decay=decay, eps=eps, amsgrad=False, maximize=False)  # fmt: skip
-            generator = _generator(weights.device, gindex, pindex, step, start)
-            bits = torch.randint(-(1 << 31), 1 << 31, w.shape, dtype=torch.int32, device=w.device, generator=generator)
-            weights[values] = _rounded_bf16(w, bits & 0xFFFF)  # one draw of 32 bits: 16 for the weight,
-            second[values] = _rounded_bf16(v, (bits >> 16) & 0xFFFF)  # 16 for the second moment
+            low, high = low.view(torch.int32), high.view(torch.int32)
+            random_bits(low.numel(), _key(gindex, pindex, step, start), out=low, temp=high)
+            torch.bitwise_right_shift(low, 16, out=high)  # one draw of 32 bits: the high 16 for the second moment,
+            high &= 0xFFFF
+            low &= 0xFFFF  # the low 16 for the weight
+            _round_into(weights[values], w, low)
+            _round_into(second[values], v, high)
             first[values] = m
         for tensor, flat in zip(kept, (weights, first, second), strict=True):
             if not tensor.is_contiguous():  # reshape copied it
                 tensor.copy_(flat.view_as(tensor))
 
 
-def _generator(device: torch.device, *place: int) -> torch.Generator:
-    """The stochastic rounding's random bits for ``place`` (group, tensor, step and, sliced, the slice's start): seeded
-    by it alone, so a run and its resume draw the same ones."""
-    return torch.Generator(device=device).manual_seed(hash(place) & (2**63 - 1))
+def _key(*place: int) -> int:
+    """The stochastic rounding's key (:func:`random_bits`) for ``place`` (group, tensor, step and, sliced, the slice's
+    start): made of it alone, so a run and its resume draw the same bits."""
+    return hash(place)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -265,9 +313,7 @@ class _SlicedStep:
                 skip_zeros=config["skip_zeros"],
             )
             if rounded:
-                weights[values] = stochastic_round_bf16(
-                    stepped, _generator(p.device, gindex, pindex, state["step"], start)
-                )
+                weights[values] = stochastic_round_bf16(stepped, _key(gindex, pindex, state["step"], start))
         return None
 
     def _rounded_32bit(self, group, p, gindex: int, pindex: int) -> None:
@@ -284,7 +330,7 @@ class _SlicedStep:
             config["weight_decay"], 1.0, state["unorm_vec"] if config["max_unorm"] > 0.0 else None,
             max_unorm=config["max_unorm"], skip_zeros=config["skip_zeros"],
         )  # fmt: skip
-        p.data.copy_(stochastic_round_bf16(stepped, _generator(p.device, gindex, pindex, state["step"])))
+        p.data.copy_(stochastic_round_bf16(stepped, _key(gindex, pindex, state["step"])))
 
 
 def keeps_bf16_updates(spec: dict[str, Any] | None) -> bool:
@@ -318,5 +364,6 @@ __all__ = [
     "default_optimizer",
     "keeps_bf16_updates",
     "optimizer_class",
+    "random_bits",
     "stochastic_round_bf16",
 ]
