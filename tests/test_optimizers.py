@@ -253,6 +253,31 @@ def test_stochastic_adamw_is_torch_adamw_for_float32_and_float64_adamw_for_bf16(
     assert half.dtype == torch.bfloat16 and a.state[ours]["exp_avg"].dtype == torch.float32
 
 
+def test_stochastic_adamw_steps_in_float32_whatever_the_default_dtype(monkeypatch):
+    """Lightning's bf16-true makes bfloat16 torch's default dtype: the step's float32 slices and its step count
+    must not follow it. Several slices (one partial) and 300 steps (past 256, where bf16 stops counting by one):
+    the same weights and moments as under the float32 default."""
+    monkeypatch.setattr(optimizers, "SLICE_VALUES", 256)
+    torch.manual_seed(0)
+    start, grads = torch.randn(33, 29) * 0.1, [torch.randn(33, 29) for _ in range(4)]
+
+    def train(default):
+        weight = torch.nn.Parameter(start.bfloat16())
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(default)
+        try:
+            optimizer = optimizers.StochasticAdamW([weight], lr=1e-3, weight_decay=0.1)
+            for step in range(300):
+                weight.grad = grads[step % 4].bfloat16()
+                optimizer.step()
+        finally:
+            torch.set_default_dtype(previous)
+        state = optimizer.state[weight]
+        return weight.detach(), state["exp_avg"], state["exp_avg_sq"]
+
+    assert all(torch.equal(a, b) for a, b in zip(train(torch.bfloat16), train(torch.float32), strict=True))
+
+
 def test_stochastic_adamw_keeps_updates_that_torchs_bf16_adamw_rounds_away():
     """lr 1e-5 on weights of size 0.1 (bf16 spacing 2^-10 to 2^-11, far above the update): torch's AdamW leaves the
     bf16 weights where they were; StochasticAdamW moves them as float64 AdamW does on average, its second moment

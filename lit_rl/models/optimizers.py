@@ -214,8 +214,8 @@ class StochasticAdamW(torch.optim.AdamW):
         kept = [_local(t) for t in (p.detach(), state["exp_avg"], state["exp_avg_sq"])]  # a shard's own values
         weights, first, second = (t.view(-1) if t.is_contiguous() else t.reshape(-1) for t in kept)
         grads = _local(p.grad).reshape(-1)
-        steps = torch.tensor(float(step), device=weights.device)
-        scratch = torch.empty(6, min(weights.numel(), SLICE_VALUES), device=weights.device)  # reused by every slice
+        steps = torch.tensor(float(step), dtype=torch.float32, device=weights.device)
+        scratch = torch.empty(6, min(weights.numel(), SLICE_VALUES), dtype=torch.float32, device=weights.device)
         for start in range(0, weights.numel(), SLICE_VALUES):
             values = slice(start, start + SLICE_VALUES)
             w, g, m, v, low, high = scratch[:, : weights[values].numel()]
