@@ -119,7 +119,9 @@ def stochastic_round_bf16(values: torch.Tensor, key: int | None = None) -> torch
         key = int(torch.randint(-(1 << 31), 1 << 31, ()))
     noise = random_bits(values.numel(), key, values.device).view(values.shape)
     noise &= 0xFFFF
-    return ((values.view(torch.int32) + noise) & _HIGH_HALF).view(torch.float32).to(torch.bfloat16)
+    rounded = torch.empty_like(values, dtype=torch.bfloat16)
+    _round_into(rounded, values.clone(), noise)
+    return rounded
 
 
 def random_bits(
