@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 import harness
 import torch
@@ -196,13 +195,7 @@ def write(args, argv, results: list[tuple]) -> str:
             f"{tokens / o:.1f} | {compiled[3]} | {g / o:.2f}x | {compiled[4]} | {compiled[5]} | {checks[0]} | "
             f"{checks[1]} | {load:.1f} |"
         )
-    text = "\n".join(lines) + "\n"
-    if args.out == "-":
-        print(text)
-    else:
-        Path(args.out).write_text(text)
-        print(f"wrote {args.out}")
-    return text
+    return harness.write_results(lines, args.out)
 
 
 if __name__ == "__main__":

@@ -335,6 +335,17 @@ def markdown_table(headers: list[str], rows: list[list[Any]], align: list[str] |
     return ["| " + " | ".join(line) + " |" for line in (headers, align, *([str(c) for c in r] for r in rows))]
 
 
+def write_results(lines: list[str], out: str) -> str:
+    """The results file's text from its ``lines``: written to ``out`` (said in one line), or printed for ``-``."""
+    text = "\n".join(lines) + "\n"
+    if out == "-":
+        print(text)
+    else:
+        Path(out).write_text(text)
+        print(f"wrote {out}")
+    return text
+
+
 def peak_rss_bytes() -> int | None:
     """This process's peak resident set size (``VmHWM`` from ``/proc/self/status``), or ``None`` off Linux: what a
     child reports of itself when the parent cannot wait on it (a trainer's steps, timed from inside)."""

@@ -3,14 +3,16 @@
 See :mod:`lit_rl.models.loading` for what ``name_or_path`` accepts and :mod:`lit_rl.models.head` for the
 trunk, the head spec and the load-time parity check. Also here: the own decode loop's load-time checks
 (:func:`decode_unsupported`, :func:`compile_unsupported`: why ``model.decode: own`` or ``compiled`` would fall back
-to ``generate`` for a model) and the compiled step's compile seconds per shape (:func:`compile_seconds`), and the
-tiny random models' parts built in memory for tests (:func:`tiny_config`, :func:`tiny_tokenizer`).
+to ``generate`` for a model), the compiled step's compile seconds per shape (:func:`compile_seconds`), a decode
+step's attention with its grouped query heads packed (:func:`packed_sdpa_forward`: what the bf16 sampler runs on a
+CPU), and the tiny random models' parts built in memory for tests (:func:`tiny_config`, :func:`tiny_tokenizer`).
 """
 
 from lit_rl.models.cache_keyword import cache_keyword, cache_kwargs, output_cache
 from lit_rl.models.checkpointing import checkpointing_refused, enable_activation_checkpointing, own_recomputation
 from lit_rl.models.compiled_decode import compile_seconds, compile_unsupported
 from lit_rl.models.decode import decode_unsupported
+from lit_rl.models.decode_attention import packed_sdpa_forward
 from lit_rl.models.head import (
     ADOPTED,
     base_model,
@@ -105,6 +107,7 @@ __all__ = [
     "nf4_memory",
     "output_cache",
     "own_recomputation",
+    "packed_sdpa_forward",
     "quantize_base_nf4",
     "resolve_dtype",
     "resolve_source",

@@ -19,6 +19,7 @@ from transformers import GenerationConfig
 from lit_rl.models.cache_keyword import cache_kwargs
 from lit_rl.models.compiled_decode import compiled_decode
 from lit_rl.models.decode import decode, sampling_settings, weights_are_real
+from lit_rl.models.decode_attention import packed_decode_attention
 from lit_rl.models.merged_lora import lora_merged
 from lit_rl.models.notices import say_once
 from lit_rl.models.sharding import gathered
@@ -143,7 +144,8 @@ def rollout_sampler(policy, *, dtype: str = "same", lora: str = "adapters") -> I
     """The model a rollout samples with, as one context around :func:`sample_completions`.
 
     ``dtype="bfloat16"`` with float32 weights: the matmuls run under bf16 autocast (its cast cache off; the decode
-    loop casts each weight once, :mod:`lit_rl.models.cast_once`). ``lora="merged"``: LoRA layers read merged
+    loop casts each weight once, :mod:`lit_rl.models.cast_once`), and on a CPU each decode step's attention packs
+    its grouped query heads (:mod:`lit_rl.models.decode_attention`). ``lora="merged"``: LoRA layers read merged
     weights (:func:`lit_rl.models.merged_lora.lora_merged`); a model whose LoRA layers cannot merge says so once.
     """
     with contextlib.ExitStack() as stack:
@@ -151,6 +153,8 @@ def rollout_sampler(policy, *, dtype: str = "same", lora: str = "adapters") -> I
         weight = next(policy.parameters())
         if dtype == "bfloat16" and weight.dtype == torch.float32:
             stack.enter_context(torch.autocast(weight.device.type, dtype=torch.bfloat16, cache_enabled=False))
+            if weight.device.type == "cpu":
+                stack.enter_context(packed_decode_attention(policy))
         if lora == "merged":
             merged, left = stack.enter_context(lora_merged(policy))
             if left:
