@@ -3,9 +3,10 @@
 One decode step's attention in one layer of the embedded SmolLM2-135M-Instruct (9 query heads over 3 key-value
 heads of 64 values, scale 1/8), for ``--rows`` completions over ``--keys`` cached positions, no mask (prompts without
 padding): transformers' ``sdpa_attention_forward`` (``enable_gqa`` for a one-token query) and lit-rl's
-``packed_sdpa_forward`` (each key-value head's query heads as a query of that many tokens:
-lit_rl/models/decode_attention.py). Each time is the best of ``--repeats`` calls; the error is the largest absolute
-difference from the same attention in float64, and ``bitwise`` says whether the two calls gave the same output.
+``packed_sdpa_forward``, what lit-rl's decoding runs (each key-value head's query heads as a query of that many
+tokens in bfloat16; in float32 transformers' call itself: lit_rl/models/decode_attention.py). Each time is the best
+of ``--repeats`` calls; the error is the largest absolute difference from the same attention in float64, and
+``bitwise`` says whether the two calls gave the same output.
 
     python bench/bench_decode_attention.py            # writes bench/results/decode_attention.md
     python bench/bench_decode_attention.py --quick    # small shapes, a few calls, printed
@@ -75,7 +76,8 @@ def measure(args) -> list[list[str]]:
             errors = [f"{(outs[n].double() - reference).abs().max().item():.1e}" for n in SIDES]
             rows.append([str(dtype).removeprefix("torch."), keys, f"{times[sdpa] * 1e6:.0f}",
                          f"{times[packed] * 1e6:.0f}", f"{times[sdpa] / times[packed]:.2f}x", *errors,
-                         "yes" if torch.equal(outs[sdpa], outs[packed]) else "no", f"{harness.load_average():.1f}"])  # fmt: skip
+                         "yes" if torch.equal(outs[sdpa], outs[packed]) else "no",
+                         f"{harness.load_average():.1f}"])  # fmt: skip
             print(" | ".join(str(c) for c in rows[-1]), flush=True)
     return rows
 

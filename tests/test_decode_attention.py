@@ -1,5 +1,5 @@
 """The decode step's packed attention (lit_rl/models/decode_attention.py) against a float64 reference and against
-transformers' own sdpa attention, and the bf16 sampler that uses it."""
+transformers' own sdpa attention, and sample_completions, which decodes through it."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from lit_rl.models import rollout_sampler
+from lit_rl.models import sample_completions
 from lit_rl.models.cache_keyword import cache_kwargs, output_cache
 from lit_rl.models.decode_attention import PACKED_SDPA, packed_decode_attention, packed_sdpa_forward
 from lit_rl.models.tiny import tiny_model
@@ -62,6 +62,7 @@ def test_packed_attention_equals_float64_reference_and_sdpa(dtype, tolerance, he
     torch.testing.assert_close(out.double(), _reference(query, key, value, mask, scale), atol=tolerance, rtol=0)
     theirs, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=scale)
     torch.testing.assert_close(out, theirs, atol=tolerance, rtol=0)
+    assert torch.equal(out, theirs) or dtype != torch.float32  # float32 is transformers' call itself
 
 
 def test_packed_attention_gradient_equals_float64_reference():
@@ -101,37 +102,57 @@ def test_packed_decode_attention_switches_sdpa_models_and_restores():
         assert not packed and eager.config._attn_implementation == "eager"
 
 
-def test_bf16_sampler_packs_the_decode_steps_attention_and_keeps_the_logits():
-    """Only the bf16 sampler of float32 weights attends packed; its decode step's logits are those of sdpa's grouped
-    call within bf16 rounding, and it is the packed function that runs for the one-token query."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+def _packed_calls(monkeypatch) -> list[tuple[int, ...]]:
+    """The query shapes of the packed path's calls, recorded."""
+    import lit_rl.models.decode_attention as module
 
-    model = tiny_model("llama", attn_implementation="sdpa", hidden_size=64).eval()
-    with rollout_sampler(model, dtype="same"):
-        assert model.config._attn_implementation == "sdpa"
+    shapes, packed = [], module._packed
+
+    def recording(query, *args):
+        shapes.append(tuple(query.shape))
+        return packed(query, *args)
+
+    monkeypatch.setattr(module, "_packed", recording)
+    return shapes
+
+
+def test_a_half_precision_decode_step_attends_packed_with_sdpas_logits(monkeypatch):
+    """A bf16 decode step inside packed_decode_attention runs the packed kernel call ([B, KV, group, D] queries)
+    and gives the logits of sdpa's grouped call within bf16 rounding."""
+    model = tiny_model("llama", attn_implementation="sdpa", hidden_size=64).to(torch.bfloat16).eval()
     ids = torch.randint(3, 128, (4, 6), generator=torch.Generator().manual_seed(4))
-    calls = []
-
-    def counting(*args, **kwargs):
-        calls.append(args[1].shape[2])  # the query length
-        return packed_sdpa_forward(*args, **kwargs)
-
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+    with torch.no_grad():
         prefill = model(ids, use_cache=True)
         token = prefill.logits[:, -1:].argmax(-1)
         cache = output_cache(prefill)
         plain = model(token, **cache_kwargs(model, copy.deepcopy(cache))).logits.float()
-    ALL_ATTENTION_FUNCTIONS.register(PACKED_SDPA, counting)
-    try:
-        with torch.no_grad(), rollout_sampler(model, dtype="bfloat16"):
-            assert model.config._attn_implementation == PACKED_SDPA
+        shapes = _packed_calls(monkeypatch)
+        with packed_decode_attention(model):
             packed = model(token, **cache_kwargs(model, cache)).logits.float()
-    finally:
-        ALL_ATTENTION_FUNCTIONS.register(PACKED_SDPA, packed_sdpa_forward)
-    assert model.config._attn_implementation == "sdpa"
-    assert calls == [1, 1]  # both layers, a one-token query
+    assert shapes == [(4, 4, 1, 16)] * 2  # both layers, a one-token query of 4 heads (over 2 key-value heads)
     torch.testing.assert_close(packed, plain, atol=0.02, rtol=0)
-    assert not torch.equal(packed, torch.zeros_like(packed))
+    assert packed.abs().max() > 0.1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sample_completions_packs_half_precision_decode_steps_and_own_loop_stays_generates(monkeypatch, dtype):
+    """sample_completions attends packed in bf16 (only the one-token steps; float32 never), for the own loop and
+    generate alike, so the own loop still draws generate's tokens; the attention is restored afterwards."""
+    model = tiny_model("llama", seed=8, attn_implementation="sdpa").to(dtype)
+    ids = torch.randint(3, 128, (2, 5), generator=torch.Generator().manual_seed(5))
+    config = dict(do_sample=True, temperature=0.9, top_p=1.0, top_k=0, max_new_tokens=6, min_new_tokens=6)
+    out, calls = {}, {}
+    for own in (False, True):
+        shapes = _packed_calls(monkeypatch)
+        torch.manual_seed(3)
+        out[own] = sample_completions(model, ids, torch.ones_like(ids), 0, [2], repeats=2, own_decode=own, **config)
+        calls[own] = list(shapes)
+        monkeypatch.undo()
+    assert torch.equal(out[True], out[False])
+    assert model.config._attn_implementation == "sdpa" and model.training
+    packed = [(4, 4, 1, 8)] * (2 * 5)  # 2 layers x the 5 steps after the prefill, 4 rows
+    for own in (False, True):
+        assert calls[own] == (packed if dtype == torch.bfloat16 else [])
 
 
 @pytest.mark.bench

@@ -93,8 +93,7 @@ class RefCachedGRPO(RLMethod):
             whole pass (exact: no counted token reads them): one long completion costs its own tokens, not ``b * C``.
         rollout_dtype: ``same``: the rollout computes as the trainer does; ``bfloat16``: with float32 weights, the
             decode loop's matmuls run in bf16 (autocast, each weight cast once per rollout: a bf16 copy of the linear
-            layers held through the rollout, which the estimator charges; on a CPU the decode steps' attention packs
-            grouped query heads, :mod:`lit_rl.models.decode_attention`). Faster where bf16 matmuls are, and the
+            layers held through the rollout, which the estimator charges). Faster where bf16 matmuls are, and the
             sampler is then not the trainer: the gap is logged as ``rollout/sampler_*``, and
             ``loss.importance_sampling_correction`` corrects for it. No effect on bf16 weights.
         rollout_lora: ``adapters``: LoRA layers run their adapters in the rollout; ``merged``: the rollout reads

@@ -4,8 +4,9 @@ See :mod:`lit_rl.models.loading` for what ``name_or_path`` accepts and :mod:`lit
 trunk, the head spec and the load-time parity check. Also here: the own decode loop's load-time checks
 (:func:`decode_unsupported`, :func:`compile_unsupported`: why ``model.decode: own`` or ``compiled`` would fall back
 to ``generate`` for a model), the compiled step's compile seconds per shape (:func:`compile_seconds`), a decode
-step's attention with its grouped query heads packed (:func:`packed_sdpa_forward`: what the bf16 sampler runs on a
-CPU), and the tiny random models' parts built in memory for tests (:func:`tiny_config`, :func:`tiny_tokenizer`).
+step's attention with its grouped query heads packed (:func:`packed_sdpa_forward`: what half-precision decoding
+runs on a CPU), and the tiny random models' parts built in memory for tests (:func:`tiny_config`,
+:func:`tiny_tokenizer`).
 """
 
 from lit_rl.models.cache_keyword import cache_keyword, cache_kwargs, output_cache

@@ -5,17 +5,19 @@ Why: with grouped-query attention (several query heads per key-value head, SmolL
 we train) and no attention mask (prompts without padding), transformers' ``sdpa`` attention passes
 ``enable_gqa=True`` for a one-token query. On a CPU in bfloat16, torch's flash-attention kernel is then several
 times slower than the same kernel given the group's query heads as a query of ``group`` tokens, each against the
-same keys, and the gap grows with the keys (``bench/results/decode_attention.md``, SmolLM2-135M's heads); in
-float32 the packed call is no slower. transformers already packs this way when a mask is passed (``pack_gqa``);
-this packs every one-token query.
+same keys, and the gap grows with the keys (``bench/results/decode_attention.md``, SmolLM2-135M's heads).
+transformers already packs this way when a mask is passed (``pack_gqa``); this packs every one-token query.
 
-The packed call attends each query head over its own key-value head exactly as the grouped call does; the
-kernel's blocking differs, so an output can differ in its last bit (a bf16 unit in the last place) from
-``enable_gqa``'s. That is why it runs only where the sampler is not the trainer's numbers anyway: the
-lower-precision sampler of float32 weights (``model.rollout_dtype: bfloat16``,
-:func:`lit_rl.models.sampling.rollout_sampler`), whose log-probs are compared with the trainer's at every step.
-Everything else (prefill, several query tokens, no grouped heads, a position bias, a soft cap) is transformers'
-``sdpa_attention_forward`` unchanged.
+Where: :func:`lit_rl.models.sampling.sample_completions` (every rollout and held-out completion, the own loops and
+``generate`` alike) attends through :func:`packed_sdpa_forward`, which packs a one-token query of grouped heads in
+bfloat16 or float16 on a CPU and hands everything else to transformers' ``sdpa_attention_forward`` unchanged:
+float32 (where packing gains little, and the own loop keeps ``generate``'s kernels and so its tokens), a GPU,
+prefill and other multi-token queries, models without grouped heads, a position bias or a soft cap.
+
+Exactness: the packed call attends each query head over its own key-value head as the grouped call does; the
+kernel's blocking differs, so an output can differ from ``enable_gqa``'s in its last bit (a bf16 unit in the last
+place). The own loop and ``generate`` both run it, so they still draw the same tokens; the trainer's passes over
+whole sequences never did run this kernel (the sampler's gap to them is logged each step).
 """
 
 from __future__ import annotations
@@ -47,16 +49,25 @@ def packed_sdpa_forward(
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: ``query [B, H, Q, D]``, ``key``/``value [B, KV, K, D]``, the
     sdpa mask (boolean, ``True`` where a query attends, broadcast over heads) or ``None``; returns
-    ``([B, Q, H, D], None)``. A one-token query of grouped heads runs packed (module docstring); anything else goes
-    to ``sdpa_attention_forward``."""
+    ``([B, Q, H, D], None)``. A one-token query of grouped heads in bfloat16 or float16 on a CPU runs packed (module
+    docstring); anything else goes to ``sdpa_attention_forward``."""
     batch, heads, length, dim = query.shape
     kv_heads = key.shape[1]
     plain = kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None or dropout
-    if length != 1 or kv_heads == heads or plain or (attention_mask is not None and attention_mask.shape[1] != 1):
+    half_on_cpu = query.dtype in (torch.bfloat16, torch.float16) and query.device.type == "cpu"
+    per_head_mask = attention_mask is not None and attention_mask.shape[1] != 1
+    if length != 1 or kv_heads == heads or plain or per_head_mask or not half_on_cpu:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
-    packed = query.reshape(batch, kv_heads, heads // kv_heads, dim)  # [B, KV, group, D]: query heads as tokens
-    out = F.scaled_dot_product_attention(packed, key, value, attn_mask=attention_mask, scale=scaling)
-    return out.reshape(batch, heads, 1, dim).transpose(1, 2).contiguous(), None
+    return _packed(query, key, value, attention_mask, scaling), None
+
+
+def _packed(query, key, value, mask, scaling) -> torch.Tensor:
+    """``[B, 1, H, D]``: the attention of a one-token ``query [B, H, 1, D]`` with each key-value head's query heads
+    as one query of that many tokens (``[B, KV, group, D]``)."""
+    batch, heads, _, dim = query.shape
+    packed = query.reshape(batch, key.shape[1], heads // key.shape[1], dim)
+    out = F.scaled_dot_product_attention(packed, key, value, attn_mask=mask, scale=scaling)
+    return out.reshape(batch, heads, 1, dim).transpose(1, 2).contiguous()
 
 
 ALL_ATTENTION_FUNCTIONS.register(PACKED_SDPA, packed_sdpa_forward)

@@ -3,7 +3,8 @@
 Methods sample their rollouts with :func:`sample_completions` and held-out evaluation completes its prompts with it:
 one call that repeats each prompt for its samples (computing a shared prompt's KV cache once), picks the decode loop
 the model passed at load time (:mod:`lit_rl.models.decode`, :mod:`lit_rl.models.compiled_decode`) or
-``transformers``' ``generate``, and leaves the policy in the mode it found it in.
+``transformers``' ``generate``, and leaves the policy in the mode it found it in. On a CPU its half-precision decode
+steps attend with grouped query heads packed (:mod:`lit_rl.models.decode_attention`).
 """
 
 from __future__ import annotations
@@ -95,7 +96,9 @@ def sample_completions(
             say_once(f"model.decode: transformers' generate for these completions, {reason}")
     was_training = policy.training
     policy.eval()
-    try:
+    with contextlib.ExitStack() as stack:
+        stack.callback(policy.train, was_training)
+        stack.enter_context(packed_decode_attention(policy))  # half-precision decode steps on a CPU (its docstring)
         cache = None
         if share_prompt and repeats > 1 and input_ids.shape[1] > 1:
             cache = shared_prefill(policy, input_ids, attention_mask, repeats)
@@ -116,8 +119,6 @@ def sample_completions(
         standing_in = own_decode and not weights_are_real(policy)  # an estimate of a run whose loop records them
         width = sequences.shape[1] - input_ids.shape[1]
         return sequences, sequences.new_zeros((sequences.shape[0], width), dtype=torch.float32) if standing_in else None
-    finally:
-        policy.train(was_training)
 
 
 def rollout_chunks(prompts: int, repeats: int, rows: int | None) -> list[tuple[int, int, int]]:
@@ -144,8 +145,7 @@ def rollout_sampler(policy, *, dtype: str = "same", lora: str = "adapters") -> I
     """The model a rollout samples with, as one context around :func:`sample_completions`.
 
     ``dtype="bfloat16"`` with float32 weights: the matmuls run under bf16 autocast (its cast cache off; the decode
-    loop casts each weight once, :mod:`lit_rl.models.cast_once`), and on a CPU each decode step's attention packs
-    its grouped query heads (:mod:`lit_rl.models.decode_attention`). ``lora="merged"``: LoRA layers read merged
+    loop casts each weight once, :mod:`lit_rl.models.cast_once`). ``lora="merged"``: LoRA layers read merged
     weights (:func:`lit_rl.models.merged_lora.lora_merged`); a model whose LoRA layers cannot merge says so once.
     """
     with contextlib.ExitStack() as stack:
@@ -153,8 +153,6 @@ def rollout_sampler(policy, *, dtype: str = "same", lora: str = "adapters") -> I
         weight = next(policy.parameters())
         if dtype == "bfloat16" and weight.dtype == torch.float32:
             stack.enter_context(torch.autocast(weight.device.type, dtype=torch.bfloat16, cache_enabled=False))
-            if weight.device.type == "cpu":
-                stack.enter_context(packed_decode_attention(policy))
         if lora == "merged":
             merged, left = stack.enter_context(lora_merged(policy))
             if left:
