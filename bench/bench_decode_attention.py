@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
-import time
 
 import harness
 import torch
@@ -49,16 +48,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def best_seconds(fn, repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 def measure(args) -> list[list[str]]:
     rows, module, generator = [], _Heads(), torch.Generator().manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16):
@@ -73,7 +62,7 @@ def measure(args) -> list[list[str]]:
             for name, fn in SIDES.items():
                 call = functools.partial(fn, module, *inputs, None, scaling=0.125)  # no mask
                 with torch.no_grad():
-                    times[name] = best_seconds(call, args.repeats)
+                    times[name] = harness.best_seconds(call, args.repeats)
                     outs[name] = call()[0]
             (sdpa, packed) = SIDES
             errors = [f"{(outs[n].double() - reference).abs().max().item():.1e}" for n in SIDES]

@@ -93,6 +93,17 @@ def cpu_flags() -> str:
     return ", ".join(f for f in wanted if f in flags.split()) or "none of avx2/avx512"
 
 
+def best_seconds(fn, repeats: int) -> float:
+    """The shortest of ``repeats`` timed calls of ``fn`` after one untimed call (a micro-benchmark's figure)."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
 def load_average() -> float:
     """The 1-minute load average."""
     return os.getloadavg()[0]

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from peft import LoraConfig, get_peft_model
 from test_decode import EOS, PAD, _prompts
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import GenerationConfig
 
 from lit_rl.models.cast_once import linear_weights_cast_once
@@ -20,6 +22,21 @@ from lit_rl.models.tiny import tiny_model
 
 def _autocast():
     return torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False)  # as Lightning's MixedPrecision
+
+
+ONEDNN_BF16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+class _Ops(TorchDispatchMode):
+    """Records the name of every aten-level op run under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
 
 
 def _lora(model):
@@ -101,3 +118,64 @@ def test_the_decode_loop_casts_once_and_draws_generates_tokens(do_sample):
     assert torch.equal(got, expected)
     assert generate_saw and not any(generate_saw)  # generate: autocast casts at every use
     assert seen[len(generate_saw) :] and all(seen[len(generate_saw) :])  # the loop: every step on the casts
+
+
+# SmolLM2-135M's projections (q/o, k/v, gate/up, down, the head), LoRA adapters of rank 16, and odd sizes
+SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576), (16, 576), (576, 16), (7, 13), (1000, 333)]
+
+
+@pytest.mark.skipif(not ONEDNN_BF16, reason="this CPU's bf16 matmuls do not run on oneDNN: the casts stay plain")
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize(("out_features", "in_features"), SHAPES)
+def test_packed_layers_are_bitwise_f_linear_on_the_cast_at_decode_and_prefill_shapes(out_features, in_features, bias):
+    generator = torch.Generator().manual_seed(out_features * 7 + in_features)
+    linear = torch.nn.Linear(in_features, out_features, bias=bias)
+    torch.nn.init.normal_(linear.weight, generator=generator)
+    if bias:
+        torch.nn.init.normal_(linear.bias, generator=generator)
+    inputs = [torch.randn(*lead, in_features, generator=generator) for lead in [(1,), (8,), (8, 1), (3, 1), (8, 40)]]
+    with torch.no_grad(), _autocast():
+        expected = [F.linear(x, linear.weight, linear.bias) for x in inputs]  # autocast casts at every use
+        with linear_weights_cast_once(linear), _Ops() as ops:
+            got = [linear(x) for x in inputs]
+            strided = linear(torch.randn(8, 2, in_features, generator=generator)[:, 1])  # a non-contiguous input
+    assert "mkldnn._linear_pointwise.default" in ops.names  # packed: oneDNN's linear ran
+    assert "aten.linear.default" not in ops.names and "aten.addmm.default" not in ops.names
+    for x, y, z in zip(inputs, got, expected, strict=True):
+        assert y.dtype == z.dtype == torch.bfloat16 and y.shape == z.shape, x.shape
+        assert torch.equal(y, z), x.shape
+    assert strided.shape == (8, out_features)
+
+
+@pytest.mark.skipif(not ONEDNN_BF16, reason="this CPU's bf16 matmuls do not run on oneDNN: the casts stay plain")
+def test_the_decode_loop_runs_every_linear_packed_and_the_estimators_fake_tensors_stay_plain():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    model = _lora(tiny_model("llama", seed=5)).eval()
+    linears = sum(type(m) is torch.nn.Linear for m in model.modules())
+    ids, mask = _prompts()
+    with torch.no_grad(), _autocast(), linear_weights_cast_once(model), _Ops() as ops:
+        model(input_ids=ids, attention_mask=mask)
+    assert ops.names.count("mkldnn._linear_pointwise.default") == linears
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = mode.from_tensor(torch.randn(8, 6))
+        layer = torch.nn.Linear(6, 4)
+        layer.weight = torch.nn.Parameter(mode.from_tensor(layer.weight.detach()))
+        layer.bias = torch.nn.Parameter(mode.from_tensor(layer.bias.detach()))
+        with torch.no_grad(), _autocast(), linear_weights_cast_once(layer) as held:
+            assert layer(fake).shape == (8, 4)
+    assert held == (6 * 4 + 4) * 2
+
+
+@pytest.mark.bench
+@pytest.mark.slow
+def test_bench_packed_linear_quick_table(capsys):
+    """bench/bench_packed_linear.py --quick: one row per projection and row count, bitwise where oneDNN packs."""
+    from bench_loader import load_bench
+
+    with load_bench("bench_packed_linear.py") as bench:
+        text = bench.main(["--quick"])
+    assert text in capsys.readouterr().out
+    rows = [line.split(" | ") for line in text.splitlines() if line.startswith("| q") or line.startswith("| k")]
+    assert [(r[0].strip("| "), r[2]) for r in rows] == [(p, n) for n in ("8", "32") for p in ("q, o", "k, v")]
+    assert all(r[8] == "yes" for r in rows)  # the packed layer's outputs equal F.linear's on the cast

@@ -188,3 +188,19 @@ def test_storage_resizes_are_counted_as_fsdp2_frees_and_gathers_weights():
     outside = torch.empty(10)
     outside.untyped_storage().resize_(0)  # no tracker is entered: nothing is counted, nothing fails
     assert t.current_bytes == 1000
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+def test_a_weight_packed_for_onednn_counts_its_dense_bytes_until_freed():
+    """An opaque oneDNN tensor has no storage: the tracker counts the tensor itself, once, at its dense bytes."""
+    cast = torch.randn(64, 48).to(torch.bfloat16)
+    x = torch.randn(8, 48).to(torch.bfloat16)
+    with TensorMemoryTracker() as t:
+        packed = torch.ops.mkldnn._reorder_linear_weight(cast)
+        assert t.current_bytes == 64 * 48 * 2
+        y = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")  # the packed input is not new
+        assert t.current_bytes == 64 * 48 * 2 + 8 * 64 * 2
+        del packed
+        gc.collect()
+    assert t.current_bytes == 8 * 64 * 2 and t.peak_bytes == 64 * 48 * 2 + 8 * 64 * 2
+    del y

@@ -16,7 +16,8 @@ LoRA base weights). Storages are keyed by the identity of their Python ``Untyped
 also runs on fake tensors: enter it *inside* a ``FakeTensorMode`` and it counts
 ``storage.nbytes()`` of the fake outputs without touching memory.
 
-What it cannot see: memory allocated outside the dispatcher (``torch.from_numpy``, allocator caching
+An opaque oneDNN tensor (a weight packed for oneDNN's linear, :mod:`lit_rl.models.cast_once`) has no storage: the
+tensor itself is counted, at its dense bytes. What it cannot see: memory allocated outside the dispatcher (``torch.from_numpy``, allocator caching
 and fragmentation, CUDA workspaces, the Python heap) and growth of untracked storages through
 ``UntypedStorage.resize_``.
 """
@@ -58,10 +59,18 @@ def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
     if is_traceable_wrapper_subclass(t):
         attrs, _ = t.__tensor_flatten__()
         return [st for attr in attrs if isinstance(inner := getattr(t, attr), torch.Tensor) for st in _storages(inner)]
+    if t.is_mkldnn:  # oneDNN's opaque layout (a weight packed for its linear): no storage; the tensor stands for it
+        return [t]
     try:
         return [t.untyped_storage()]
     except (RuntimeError, NotImplementedError):  # sparse, nested and other storage-less layouts
         return []
+
+
+def _nbytes(st: torch.UntypedStorage | torch.Tensor) -> int:
+    """A storage's bytes; an opaque oneDNN tensor's as the dense tensor it packs (equal for dimensions that are
+    multiples of 16: ``bench/results/packed_linear.md`` names the measurement)."""
+    return st.nbytes() if isinstance(st, torch.UntypedStorage) else st.numel() * st.element_size()
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
@@ -273,7 +282,7 @@ class TensorMemoryTracker(TorchDispatchMode):
 
     def _add(self, st: torch.UntypedStorage, category: str) -> None:
         key = id(st)
-        nbytes = st.nbytes()
+        nbytes = _nbytes(st)
         self._live[key] = _Entry(nbytes, category, weakref.ref(st, partial(_on_free, weakref.ref(self), key)))
         self._by_category[category] += nbytes
         self._current += nbytes * self._counted(category)
@@ -313,8 +322,8 @@ class TensorMemoryTracker(TorchDispatchMode):
                 with self._lock:
                     entry = self._live.get(key)
                     if entry is not None:
-                        if entry.nbytes != st.nbytes():  # resize_, out= ops that grew their output
-                            self._resize(entry, st.nbytes())
+                        if entry.nbytes != _nbytes(st):  # resize_, out= ops that grew their output
+                            self._resize(entry, _nbytes(st))
                     elif key not in inputs:
                         self._add(st, self.default_category)
         return out

@@ -5,11 +5,13 @@ trunk, the head spec and the load-time parity check. Also here: the own decode l
 (:func:`decode_unsupported`, :func:`compile_unsupported`: why ``model.decode: own`` or ``compiled`` would fall back
 to ``generate`` for a model), the compiled step's compile seconds per shape (:func:`compile_seconds`), a decode
 step's attention with its grouped query heads packed (:func:`packed_sdpa_forward`: what half-precision decoding
-runs on a CPU), and the tiny random models' parts built in memory for tests (:func:`tiny_config`,
+runs on a CPU), the decode loop's weights cast once per rollout (:func:`linear_weights_cast_once`, packed for oneDNN
+where bf16 runs there), and the tiny random models' parts built in memory for tests (:func:`tiny_config`,
 :func:`tiny_tokenizer`).
 """
 
 from lit_rl.models.cache_keyword import cache_keyword, cache_kwargs, output_cache
+from lit_rl.models.cast_once import linear_weights_cast_once
 from lit_rl.models.checkpointing import checkpointing_refused, enable_activation_checkpointing, own_recomputation
 from lit_rl.models.compiled_decode import compile_seconds, compile_unsupported
 from lit_rl.models.decode import decode_unsupported
@@ -100,6 +102,7 @@ __all__ = [
     "gather_trunk",
     "head_spec",
     "keeps_bf16_updates",
+    "linear_weights_cast_once",
     "lm_head",
     "load_causal_lm",
     "load_reward_model",

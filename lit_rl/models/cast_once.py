@@ -13,6 +13,16 @@ would have been (``tests/test_cast_once.py`` compares logits and tokens). The co
 the rollout, half the float32 bytes of the casted layers, which the estimator counts in the rollout phase
 (:func:`lit_rl.memory.fake.fake_generate` runs under the same context). ``model.decode: generate`` leaves it off.
 
+On a CPU whose bf16 matmuls run on oneDNN (``torch.ops.mkldnn._is_mkldnn_bf16_supported()``: AVX-512), each bf16 cast
+is also packed once into oneDNN's weight layout (``torch.ops.mkldnn._reorder_linear_weight``, what inductor's freezing
+pass does to a CPU linear's constant weight, ``torch/_inductor/fx_passes/mkldnn_fusion.py``) and the layer calls
+oneDNN's linear on it (``torch.ops.mkldnn._linear_pointwise``). The output is bitwise ``F.linear``'s on the cast
+(``tests/test_cast_once.py`` checks every layer shape of the tiny models and the logits); on a decode step of a few
+rows it is faster, because ``F.linear`` hands oneDNN the plain weight at every call
+(``python bench/bench_packed_linear.py`` measures both, ``bench/results/packed_linear.md``). The packed copy
+replaces the cast, with the same bytes for dimensions that are multiples of 16. Fake tensors (the estimator) and
+other devices keep plain casts.
+
 Only exact ``nn.Linear`` modules are cast (a LoRA layer's base layer and adapters are; an NF4 layer, a GPT-2
 ``Conv1D`` or a module whose ``forward`` someone else has replaced on the instance are not, and stay as they were).
 """
@@ -24,6 +34,7 @@ from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor
 
 __all__ = ["linear_weights_cast_once"]
 
@@ -53,13 +64,18 @@ def linear_weights_cast_once(model: torch.nn.Module) -> Iterator[int]:
         yield 0
         return
     casts: dict[int, torch.Tensor] = {}  # id(parameter) -> its cast; tied weights (an LM head) are cast once
+    packed: dict[int, torch.Tensor] = {}  # id(weight) -> its cast in oneDNN's layout, where that is bitwise F.linear
 
     def cast(tensor: torch.Tensor | None) -> torch.Tensor | None:
         if tensor is None:
             return None
-        if id(tensor) not in casts:
-            casts[id(tensor)] = tensor.detach().to(dtype)
-        return casts[id(tensor)]
+        if id(tensor) not in casts and id(tensor) not in packed:
+            copy = tensor.detach().to(dtype)
+            if _packs(copy):
+                packed[id(tensor)] = torch.ops.mkldnn._reorder_linear_weight(copy)  # opaque, in place of the cast
+            else:
+                casts[id(tensor)] = copy
+        return packed.get(id(tensor), casts.get(id(tensor)))
 
     patched: list[torch.nn.Module] = []
     try:
@@ -68,18 +84,40 @@ def linear_weights_cast_once(model: torch.nn.Module) -> Iterator[int]:
                 continue
             if module.weight.dtype != torch.float32:
                 continue
-            weight, bias = cast(module.weight), cast(module.bias)
-            module.forward = _cast_forward(weight, bias)
+            weight, bias = cast(module.weight), cast(module.bias)  # a bias stays a plain cast (one dimension)
+            module.forward = _packed_forward(weight, bias) if weight.is_mkldnn else _cast_forward(weight, bias)
             patched.append(module)
-        yield sum(t.untyped_storage().nbytes() for t in casts.values())
+        held = sum(t.untyped_storage().nbytes() for t in casts.values())
+        yield held + sum(t.numel() * t.element_size() for t in packed.values())  # an opaque tensor has no storage
     finally:
         for module in patched:
             del module.forward
         casts.clear()
+        packed.clear()
+
+
+def _packs(cast: torch.Tensor) -> bool:
+    """Whether a bf16 cast goes into oneDNN's layout: on a CPU whose bf16 ``F.linear`` runs oneDNN, not a fake tensor."""
+    return (
+        cast.dtype == torch.bfloat16
+        and cast.device.type == "cpu"
+        and cast.dim() == 2
+        and not isinstance(cast, FakeTensor)
+        and torch.backends.mkldnn.is_available()
+        and torch.backends.mkldnn.enabled
+        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    )
 
 
 def _cast_forward(weight: torch.Tensor, bias: torch.Tensor | None):
     def forward(x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, weight, bias)
+
+    return forward
+
+
+def _packed_forward(weight: torch.Tensor, bias: torch.Tensor | None):
+    def forward(x: torch.Tensor) -> torch.Tensor:  # autocast has no rule for this op: cast the input as it would
+        return torch.ops.mkldnn._linear_pointwise(x.to(weight.dtype), weight, bias, "none", [], "")
 
     return forward
