@@ -134,25 +134,29 @@ def test_a_half_precision_decode_step_attends_packed_with_sdpas_logits(monkeypat
     assert packed.abs().max() > 0.1
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "bf16 autocast"])
 def test_sample_completions_packs_half_precision_decode_steps_and_own_loop_stays_generates(monkeypatch, dtype):
-    """sample_completions attends packed in bf16 (only the one-token steps; float32 never), for the own loop and
+    """sample_completions attends packed in bf16 and under bf16 autocast of float32 weights (bf16-mixed, the bf16
+    sampler: the query arrives float32 there), only the one-token steps, float32 never; for the own loop and
     generate alike, so the own loop still draws generate's tokens; the attention is restored afterwards."""
-    model = tiny_model("llama", seed=8, attn_implementation="sdpa").to(dtype)
+    model = tiny_model("llama", seed=8, attn_implementation="sdpa")
+    model = model.to(torch.bfloat16) if dtype == "bfloat16" else model
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False, enabled=dtype == "bf16 autocast")
     ids = torch.randint(3, 128, (2, 5), generator=torch.Generator().manual_seed(5))
     config = dict(do_sample=True, temperature=0.9, top_p=1.0, top_k=0, max_new_tokens=6, min_new_tokens=6)
     out, calls = {}, {}
     for own in (False, True):
         shapes = _packed_calls(monkeypatch)
         torch.manual_seed(3)
-        out[own] = sample_completions(model, ids, torch.ones_like(ids), 0, [2], repeats=2, own_decode=own, **config)
+        with autocast:
+            out[own] = sample_completions(model, ids, torch.ones_like(ids), 0, [2], repeats=2, own_decode=own, **config)
         calls[own] = list(shapes)
         monkeypatch.undo()
     assert torch.equal(out[True], out[False])
     assert model.config._attn_implementation == "sdpa" and model.training
     packed = [(4, 4, 1, 8)] * (2 * 5)  # 2 layers x the 5 steps after the prefill, 4 rows
     for own in (False, True):
-        assert calls[own] == (packed if dtype == torch.bfloat16 else [])
+        assert calls[own] == ([] if dtype == "float32" else packed)
 
 
 @pytest.mark.bench

@@ -50,11 +50,16 @@ def packed_sdpa_forward(
     """transformers' attention-function signature: ``query [B, H, Q, D]``, ``key``/``value [B, KV, K, D]``, the
     sdpa mask (boolean, ``True`` where a query attends, broadcast over heads) or ``None``; returns
     ``([B, Q, H, D], None)``. A one-token query of grouped heads in bfloat16 or float16 on a CPU runs packed (module
-    docstring); anything else goes to ``sdpa_attention_forward``."""
+    docstring), and so does a float32 one under a bf16 or fp16 CPU autocast (bf16-mixed, the bf16 sampler: RoPE's
+    float32 tables make the query float32, and autocast runs the attention in its dtype); anything else goes to
+    ``sdpa_attention_forward``."""
     batch, heads, length, dim = query.shape
     kv_heads = key.shape[1]
     plain = kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None or dropout
-    half_on_cpu = query.dtype in (torch.bfloat16, torch.float16) and query.device.type == "cpu"
+    runs_in = query.dtype  # under CPU autocast a float32 query (after float32 RoPE) attends in autocast's dtype
+    if runs_in == torch.float32 and query.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
+        runs_in = torch.get_autocast_dtype("cpu")
+    half_on_cpu = runs_in in (torch.bfloat16, torch.float16) and query.device.type == "cpu"
     per_head_mask = attention_mask is not None and attention_mask.shape[1] != 1
     if length != 1 or kv_heads == heads or plain or per_head_mask or not half_on_cpu:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
