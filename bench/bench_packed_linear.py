@@ -77,8 +77,8 @@ def measure(args) -> list[list[str]]:
             megabytes = out_features * in_features * 2 / 1e6  # the bf16 weight, read once per call
             for side in step:
                 step[side] += times[side] * uses
-            rows.append([name, f"{out_features}x{in_features}", n, *(f"{times[s] * 1e6:.0f}" for s in step),
-                         f"{times['cast'] / times['packed']:.2f}x", *(f"{megabytes / times[s] / 1e3:.1f}" for s in step),
+            speed = (f"{times['cast'] / times['packed']:.2f}x", *(f"{megabytes / times[s] / 1e3:.1f}" for s in step))
+            rows.append([name, f"{out_features}x{in_features}", n, *(f"{times[s] * 1e6:.0f}" for s in step), *speed,
                          "yes" if same else "no", f"{harness.load_average():.1f}"])  # fmt: skip
             print(" | ".join(str(c) for c in rows[-1]), flush=True)
         if not args.quick:

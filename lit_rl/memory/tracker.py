@@ -17,7 +17,9 @@ also runs on fake tensors: enter it *inside* a ``FakeTensorMode`` and it counts
 ``storage.nbytes()`` of the fake outputs without touching memory.
 
 An opaque oneDNN tensor (a weight packed for oneDNN's linear, :mod:`lit_rl.models.cast_once`) has no storage: the
-tensor itself is counted, at its dense bytes. What it cannot see: memory allocated outside the dispatcher (``torch.from_numpy``, allocator caching
+tensor itself is counted, at its dense bytes.
+
+What it cannot see: memory allocated outside the dispatcher (``torch.from_numpy``, allocator caching
 and fragmentation, CUDA workspaces, the Python heap) and growth of untracked storages through
 ``UntypedStorage.resize_``.
 """

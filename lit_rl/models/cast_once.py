@@ -13,13 +13,13 @@ would have been (``tests/test_cast_once.py`` compares logits and tokens). The co
 the rollout, half the float32 bytes of the casted layers, which the estimator counts in the rollout phase
 (:func:`lit_rl.memory.fake.fake_generate` runs under the same context). ``model.decode: generate`` leaves it off.
 
-On a CPU whose bf16 matmuls run on oneDNN (``torch.ops.mkldnn._is_mkldnn_bf16_supported()``: AVX-512), each bf16 cast
-is also packed once into oneDNN's weight layout (``torch.ops.mkldnn._reorder_linear_weight``, what inductor's freezing
-pass does to a CPU linear's constant weight, ``torch/_inductor/fx_passes/mkldnn_fusion.py``) and the layer calls
-oneDNN's linear on it (``torch.ops.mkldnn._linear_pointwise``). The output is bitwise ``F.linear``'s on the cast
-(``tests/test_cast_once.py`` checks every layer shape of the tiny models and the logits); on a decode step of a few
-rows it is faster, because ``F.linear`` hands oneDNN the plain weight at every call
-(``python bench/bench_packed_linear.py`` measures both, ``bench/results/packed_linear.md``). The packed copy
+On a CPU whose bf16 matmuls run on oneDNN (``torch.ops.mkldnn._is_mkldnn_bf16_supported()``: AVX-512), each
+bf16 cast is also packed once into oneDNN's weight layout (``torch.ops.mkldnn._reorder_linear_weight``, what
+inductor's freezing pass does to a CPU linear's constant weight, ``torch/_inductor/fx_passes/mkldnn_fusion.py``) and
+the layer calls oneDNN's linear on it (``torch.ops.mkldnn._linear_pointwise``). The output is bitwise ``F.linear``'s
+on the cast (``tests/test_cast_once.py`` checks SmolLM2's layer shapes, LoRA adapters, odd sizes and a tiny model's
+logits); on a decode step of a few rows it is faster, because ``F.linear`` hands oneDNN the plain weight at every
+call (``python bench/bench_packed_linear.py`` measures both, ``bench/results/packed_linear.md``). The packed copy
 replaces the cast, with the same bytes for dimensions that are multiples of 16. Fake tensors (the estimator) and
 other devices keep plain casts.
 
@@ -97,7 +97,7 @@ def linear_weights_cast_once(model: torch.nn.Module) -> Iterator[int]:
 
 
 def _packs(cast: torch.Tensor) -> bool:
-    """Whether a bf16 cast goes into oneDNN's layout: on a CPU whose bf16 ``F.linear`` runs oneDNN, not a fake tensor."""
+    """Whether a bf16 cast goes into oneDNN's layout: on a CPU whose bf16 ``F.linear`` runs oneDNN, not fake."""
     return (
         cast.dtype == torch.bfloat16
         and cast.device.type == "cpu"
