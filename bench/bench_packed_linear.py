@@ -94,9 +94,9 @@ def resident_bytes() -> int:
     return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def packed_bytes(args) -> list[str]:
-    """Per larger shape: the resident bytes one packed copy adds, against its dense bf16 bytes."""
-    packs = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+def packed_bytes(args, packs: bool) -> list[str]:
+    """Per larger shape: the resident bytes one packed copy adds, against its dense bf16 bytes (``packs``: this CPU
+    packs bf16 casts)."""
     if not packs or args.quick:
         return []
     lines, libc = [], ctypes.CDLL(None)  # glibc (Linux, as resident_bytes)
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> str:
     args = parse_args(argv)
     packs = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
     rows = measure(args)
-    held = packed_bytes(args)
+    held = packed_bytes(args, packs)
     lines = harness.header_lines(
         "A decode step's linear layers under bf16 autocast: F.linear on the cast vs the packed cast",
         "python bench/bench_packed_linear.py",

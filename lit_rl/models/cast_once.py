@@ -63,19 +63,15 @@ def linear_weights_cast_once(model: torch.nn.Module) -> Iterator[int]:
     if dtype is None:
         yield 0
         return
-    casts: dict[int, torch.Tensor] = {}  # id(parameter) -> its cast; tied weights (an LM head) are cast once
-    packed: dict[int, torch.Tensor] = {}  # id(weight) -> its cast in oneDNN's layout, where that is bitwise F.linear
+    casts: dict[int, torch.Tensor] = {}  # id(parameter) -> its cast (packed for oneDNN where that is bitwise F.linear)
 
     def cast(tensor: torch.Tensor | None) -> torch.Tensor | None:
         if tensor is None:
             return None
-        if id(tensor) not in casts and id(tensor) not in packed:
+        if id(tensor) not in casts:  # tied weights (an LM head) are cast once
             copy = tensor.detach().to(dtype)
-            if _packs(copy):
-                packed[id(tensor)] = torch.ops.mkldnn._reorder_linear_weight(copy)  # opaque, in place of the cast
-            else:
-                casts[id(tensor)] = copy
-        return packed.get(id(tensor), casts.get(id(tensor)))
+            casts[id(tensor)] = torch.ops.mkldnn._reorder_linear_weight(copy) if _packs(copy) else copy
+        return casts[id(tensor)]
 
     patched: list[torch.nn.Module] = []
     try:
@@ -87,13 +83,12 @@ def linear_weights_cast_once(model: torch.nn.Module) -> Iterator[int]:
             weight, bias = cast(module.weight), cast(module.bias)  # a bias stays a plain cast (one dimension)
             module.forward = _packed_forward(weight, bias) if weight.is_mkldnn else _cast_forward(weight, bias)
             patched.append(module)
-        held = sum(t.untyped_storage().nbytes() for t in casts.values())
-        yield held + sum(t.numel() * t.element_size() for t in packed.values())  # an opaque tensor has no storage
+        # each cast is a fresh dense copy; a packed one (opaque, no storage) holds the same bytes
+        yield sum(t.numel() * t.element_size() for t in casts.values())
     finally:
         for module in patched:
             del module.forward
         casts.clear()
-        packed.clear()
 
 
 def _packs(cast: torch.Tensor) -> bool:

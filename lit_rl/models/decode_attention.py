@@ -10,9 +10,10 @@ transformers already packs this way when a mask is passed (``pack_gqa``); this p
 
 Where: :func:`lit_rl.models.sampling.sample_completions` (every rollout and held-out completion, the own loops and
 ``generate`` alike) attends through :func:`packed_sdpa_forward`, which packs a one-token query of grouped heads in
-bfloat16 or float16 on a CPU and hands everything else to transformers' ``sdpa_attention_forward`` unchanged:
-float32 (where packing gains little, and the own loop keeps ``generate``'s kernels and so its tokens), a GPU,
-prefill and other multi-token queries, models without grouped heads, a position bias or a soft cap.
+bfloat16 or float16 on a CPU (a float32 query under a bf16 or fp16 CPU autocast included: the attention runs in
+autocast's dtype) and hands everything else to transformers' ``sdpa_attention_forward`` unchanged: float32 (where
+packing gains little, and the own loop keeps ``generate``'s kernels and so its tokens), a GPU, prefill and other
+multi-token queries, models without grouped heads, a position bias or a soft cap.
 
 Exactness: the packed call attends each query head over its own key-value head as the grouped call does; the
 kernel's blocking differs, so an output can differ from ``enable_gqa``'s in its last bit (a bf16 unit in the last
@@ -56,10 +57,11 @@ def packed_sdpa_forward(
     batch, heads, length, dim = query.shape
     kv_heads = key.shape[1]
     plain = kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None or dropout
+    on_cpu = query.device.type == "cpu"
     runs_in = query.dtype  # under CPU autocast a float32 query (after float32 RoPE) attends in autocast's dtype
-    if runs_in == torch.float32 and query.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
+    if on_cpu and runs_in == torch.float32 and torch.is_autocast_enabled("cpu"):
         runs_in = torch.get_autocast_dtype("cpu")
-    half_on_cpu = runs_in in (torch.bfloat16, torch.float16) and query.device.type == "cpu"
+    half_on_cpu = on_cpu and runs_in in (torch.bfloat16, torch.float16)
     per_head_mask = attention_mask is not None and attention_mask.shape[1] != 1
     if length != 1 or kv_heads == heads or plain or per_head_mask or not half_on_cpu:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
