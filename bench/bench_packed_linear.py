@@ -11,7 +11,13 @@ adds (``/proc/self/statm`` around packed casts of the larger shapes, at least ``
 memory the allocator freed before is a small part) beside its dense bf16 bytes: the
 estimator and the tensor tracker count a packed weight at its dense bytes.
 
+``--float32``: the same layers in float32, without autocast: ``F.linear`` on the float32 weight (what the exact decode
+loop runs) against the layer inside ``float32_weights_packed`` and ``linear_weights_cast_once``, which packs a
+float32 copy (``model.rollout_linear: packed``). oneDNN sums in another order there, so ``bitwise`` is ``no`` and the
+cell gives both sides' largest error against a float64 ``F.linear`` over the same inputs.
+
     python bench/bench_packed_linear.py            # writes bench/results/packed_linear.md
+    python bench/bench_packed_linear.py --float32  # writes bench/results/packed_linear_float32.md
     python bench/bench_packed_linear.py --quick    # two shapes, a few calls, printed
 """
 
@@ -30,7 +36,7 @@ import harness
 import torch
 import torch.nn.functional as F
 
-from lit_rl.models import linear_weights_cast_once
+from lit_rl.models import float32_weights_packed, linear_weights_cast_once
 
 LAYERS = 30  # SmolLM2-135M's decoder layers
 SHAPES = {  # name: (out, in, uses per decode step)
@@ -50,36 +56,55 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=200)
     p.add_argument("--megabytes", type=int, default=400, help="packed copies held at once to read resident bytes")
     p.add_argument("--quick", action="store_true", help="q/o and k/v only, 5 calls, printed only")
-    p.add_argument("--out", default=str(harness.ROOT / "bench" / "results" / "packed_linear.md"))
+    p.add_argument("--float32", action="store_true", help="float32 weights, no autocast (rollout_linear: packed)")
+    p.add_argument("--out", default=None, help="default: bench/results/packed_linear[_float32].md")
     args = p.parse_args(argv)
+    if args.out is None:
+        args.out = str(harness.ROOT / "bench" / "results" / f"packed_linear{'_float32' if args.float32 else ''}.md")
     if args.quick:
         args.repeats, args.out = 5, "-"
     return args
 
 
+def context(args):
+    """What the timed calls run under: bf16 autocast, or (``--float32``) the float32 packing switch."""
+    if args.float32:
+        return float32_weights_packed()
+    return torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False)
+
+
+def agreement(layer, x, packed: torch.Tensor, plain: torch.Tensor, float32: bool) -> str:
+    """``yes`` where the two outputs are equal; in float32 also each side's largest error against float64."""
+    if torch.equal(packed, plain) or not float32:
+        return "yes" if torch.equal(packed, plain) else "no"
+    exact = F.linear(x.double(), layer.weight.double())
+    errors = [f"{(y.double() - exact).abs().max().item():.1e}" for y in (plain, packed)]
+    return f"no: F.linear {errors[0]}, packed {errors[1]}"
+
+
 def measure(args) -> list[list[str]]:
     rows, generator = [], torch.Generator().manual_seed(0)
     shapes = dict(list(SHAPES.items())[:2]) if args.quick else SHAPES
-    autocast = functools.partial(torch.autocast, "cpu", dtype=torch.bfloat16, cache_enabled=False)
+    dtype = torch.float32 if args.float32 else torch.bfloat16
     for n in args.rows:
         step = {"cast": 0.0, "packed": 0.0}
         for name, (out_features, in_features, uses) in shapes.items():
             layer = torch.nn.Linear(in_features, out_features, bias=False)
             torch.nn.init.normal_(layer.weight, std=in_features**-0.5, generator=generator)
-            x = torch.randn(n, 1, in_features, generator=generator).to(torch.bfloat16)  # [rows, 1 token, in]
-            cast = layer.weight.detach().to(torch.bfloat16)
-            with torch.no_grad(), autocast():
+            x = torch.randn(n, 1, in_features, generator=generator).to(dtype)  # [rows, 1 token, in]
+            cast = layer.weight.detach().to(dtype)
+            with torch.no_grad(), context(args):
                 plain = functools.partial(F.linear, x, cast)
                 times = {"cast": harness.best_seconds(plain, args.repeats)}
                 with linear_weights_cast_once(layer):
                     times["packed"] = harness.best_seconds(functools.partial(layer, x), args.repeats)
-                    same = torch.equal(layer(x), plain())
-            megabytes = out_features * in_features * 2 / 1e6  # the bf16 weight, read once per call
+                    same = agreement(layer, x, layer(x), plain(), args.float32)
+            megabytes = out_features * in_features * dtype.itemsize / 1e6  # the weight, read once per call
             for side in step:
                 step[side] += times[side] * uses
             speed = (f"{times['cast'] / times['packed']:.2f}x", *(f"{megabytes / times[s] / 1e3:.1f}" for s in step))
             rows.append([name, f"{out_features}x{in_features}", n, *(f"{times[s] * 1e6:.0f}" for s in step), *speed,
-                         "yes" if same else "no", f"{harness.load_average():.1f}"])  # fmt: skip
+                         same, f"{harness.load_average():.1f}"])  # fmt: skip
             print(" | ".join(str(c) for c in rows[-1]), flush=True)
         if not args.quick:
             rows.append([f"**one decode step** ({LAYERS} layers + head)", "", n,
@@ -95,15 +120,16 @@ def resident_bytes() -> int:
 
 
 def packed_bytes(args, packs: bool) -> list[str]:
-    """Per larger shape: the resident bytes one packed copy adds, against its dense bf16 bytes (``packs``: this CPU
-    packs bf16 casts)."""
+    """Per larger shape: the resident bytes one packed copy adds, against its dense bytes (``packs``: this CPU
+    packs these casts)."""
     if not packs or args.quick:
         return []
     lines, libc = [], ctypes.CDLL(None)  # glibc (Linux, as resident_bytes)
+    dtype = torch.float32 if args.float32 else torch.bfloat16
     for name in ("gate, up", "head"):
         out_features, in_features, _ = SHAPES[name]
-        cast = torch.randn(out_features, in_features).to(torch.bfloat16)
-        held = max(2, math.ceil(args.megabytes * 1e6 / (cast.numel() * 2)))
+        cast = torch.randn(out_features, in_features).to(dtype)
+        held = max(2, math.ceil(args.megabytes * 1e6 / (cast.numel() * dtype.itemsize)))
         gc.collect()
         libc.malloc_trim(0)  # freed memory back to the OS: the copies cannot land in it unseen
         before = resident_bytes()
@@ -111,31 +137,39 @@ def packed_bytes(args, packs: bool) -> list[str]:
         added = (resident_bytes() - before) / len(copies)
         del copies
         lines.append(f"- {name} ({out_features}x{in_features}): {added / 1e6:.2f} MB resident per packed copy "
-                     f"({held} held), {cast.numel() * 2 / 1e6:.2f} MB dense bf16.")  # fmt: skip
+                     f"({held} held), {cast.numel() * dtype.itemsize / 1e6:.2f} MB dense {kind(args)}.")  # fmt: skip
     return lines
+
+
+def kind(args) -> str:
+    return "float32" if args.float32 else "bf16"
 
 
 def main(argv: list[str] | None = None) -> str:
     args = parse_args(argv)
-    packs = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    packs = torch.backends.mkldnn.is_available() and (args.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported())
     rows = measure(args)
     held = packed_bytes(args, packs)
+    title = "A decode step's linear layers under bf16 autocast: F.linear on the cast vs the packed cast"
+    if args.float32:
+        title = "A decode step's linear layers in float32: F.linear vs a packed copy (rollout_linear: packed)"
     lines = harness.header_lines(
-        "A decode step's linear layers under bf16 autocast: F.linear on the cast vs the packed cast",
-        "python bench/bench_packed_linear.py",
+        title,
+        "python bench/bench_packed_linear.py" + (" --float32" if args.float32 else ""),
         this_file=" ".join(["python bench/bench_packed_linear.py", *(argv if argv is not None else sys.argv[1:])]),
         loads=[float(r[-1]) for r in rows],
         threads=torch.get_num_threads(),
         dists=("torch",),
     )
     lines += [
-        f"SmolLM2-135M's projections for one decoded token of each row. oneDNN bf16 on this CPU: "
+        f"SmolLM2-135M's projections for one decoded token of each row. oneDNN {kind(args)} on this CPU: "
         f"{'yes (the packed side is packed)' if packs else 'no (both sides run F.linear on the cast)'}. "
-        f"Microseconds: the best of {args.repeats} calls, and GB/s the bf16 weight's bytes over that time (both "
-        "depend on the machine and its load); the decode-step rows weight each projection by its uses per step. "
-        "`bitwise`: the packed layer's output equals F.linear's (it does not depend on load).",
+        f"Microseconds: the best of {args.repeats} calls, and GB/s the {kind(args)} weight's bytes over that time "
+        "(both depend on the machine and its load); the decode-step rows weight each projection by its uses per step. "
+        "`bitwise`: the packed layer's output equals F.linear's (it does not depend on load)"
+        + (", and where not, each side's largest error against a float64 F.linear." if args.float32 else "."),
         "",
-        *harness.markdown_table(COLUMNS, rows),
+        *harness.markdown_table([c.replace("cast", "F.linear") for c in COLUMNS] if args.float32 else COLUMNS, rows),
         *(["", "Resident memory of a packed copy (it does not depend on load):", "", *held] if held else []),
     ]
     return harness.write_results(lines, args.out)

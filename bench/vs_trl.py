@@ -129,6 +129,21 @@ SETUPS = (
         checkpointing=True,
         sampler=("rollout_lora=merged", "rollout_draw=fast", "rollout_dtype=bfloat16"),
     ),
+    # the fastest float32 samplers: float32 weights packed for oneDNN (rollout_linear: packed), TRL's generate beside
+    Setup(
+        "full FT, 64 tokens, checkpointed, lit-rl fast packed float32 sampler",
+        64,
+        lora=False,
+        checkpointing=True,
+        sampler=("rollout_draw=fast", "rollout_linear=packed"),
+    ),
+    Setup(
+        "LoRA, 256 tokens, checkpointed, lit-rl merged fast packed float32 sampler",
+        256,
+        lora=True,
+        checkpointing=True,
+        sampler=("rollout_lora=merged", "rollout_draw=fast", "rollout_linear=packed"),
+    ),
 )
 QUICK_SETUPS = (Setup("LoRA, 8 tokens, checkpointed", 8, lora=True, checkpointing=True),)
 

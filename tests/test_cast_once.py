@@ -2,10 +2,14 @@
 
 Under ``torch.autocast(..., cache_enabled=False)`` (Lightning's bf16-mixed) the layers' outputs, the model's logits
 and the decode loop's tokens must be bitwise what they are when autocast casts every weight at every use; the
-layers are restored afterwards, and outside autocast nothing is touched.
+layers are restored afterwards, and outside autocast nothing is touched, unless a float32 sampler on packed weights
+is asked for (:func:`~lit_rl.models.cast_once.float32_weights_packed`): its layers are float32 rounding away from
+a float64 reference, its tokens are a sampler's of the same model, and its copies are counted.
 """
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -15,7 +19,7 @@ from test_decode import EOS, PAD, _prompts
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import GenerationConfig
 
-from lit_rl.models.cast_once import linear_weights_cast_once
+from lit_rl.models.cast_once import float32_packing_unsupported, float32_weights_packed, linear_weights_cast_once
 from lit_rl.models.decode import decode, sampling_settings
 from lit_rl.models.tiny import tiny_model
 
@@ -25,6 +29,7 @@ def _autocast():
 
 
 ONEDNN_BF16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+ONEDNN = float32_packing_unsupported(torch.device("cpu")) is None
 
 
 class _Ops(TorchDispatchMode):
@@ -167,6 +172,72 @@ def test_the_decode_loop_runs_every_linear_packed_and_the_estimators_fake_tensor
     assert held == (6 * 4 + 4) * 2
 
 
+@pytest.mark.skipif(not ONEDNN, reason="this torch has no oneDNN: float32 weights are not packed")
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize(("out_features", "in_features"), SHAPES)
+def test_float32_packed_layers_are_float32_rounding_from_a_float64_reference(out_features, in_features, bias):
+    """Not bitwise ``F.linear`` (another summation order), so each output is held to what float32 rounding allows:
+    |y - y64| <= 16 * eps32 * (|x| @ |W|^T + |b|) per element (the bound of a sum of ``in_features`` terms is far
+    wider; 16 eps is what a blocked sum of partial sums reaches), and ``F.linear``'s own error is held to it too."""
+    generator = torch.Generator().manual_seed(out_features * 5 + in_features)
+    linear = torch.nn.Linear(in_features, out_features, bias=bias)
+    torch.nn.init.normal_(linear.weight, generator=generator)
+    if bias:
+        torch.nn.init.normal_(linear.bias, generator=generator)
+    weight, b = linear.weight.detach(), linear.bias
+    inputs = [torch.randn(*lead, in_features, generator=generator) for lead in [(1,), (8,), (8, 1), (3, 1), (8, 40)]]
+    inputs.append(torch.randn(8, 2, in_features, generator=generator)[:, 1])  # a non-contiguous input
+    with torch.no_grad(), float32_weights_packed(), linear_weights_cast_once(linear) as held, _Ops() as ops:
+        got = [linear(x) for x in inputs]
+    assert "mkldnn._linear_pointwise.default" in ops.names and "aten.linear.default" not in ops.names
+    assert held == weight.numel() * 4  # the packed copy; the bias is read where it is
+    eps = torch.finfo(torch.float32).eps
+    for x, y in zip(inputs, got, strict=True):
+        exact = F.linear(x.double(), weight.double(), None if b is None else b.double())
+        scale = F.linear(x.double().abs(), weight.double().abs(), None if b is None else b.double().abs())
+        assert y.dtype == torch.float32 and y.shape == exact.shape, x.shape
+        assert ((y.double() - exact).abs() <= 16 * eps * scale).all(), x.shape
+        plain = F.linear(x, weight, b)
+        assert ((plain.double() - exact).abs() <= 16 * eps * scale).all(), x.shape
+
+
+@pytest.mark.skipif(not ONEDNN, reason="this torch has no oneDNN: float32 weights are not packed")
+def test_float32_packing_is_asked_for_runs_every_linear_and_fake_tensors_hold_the_same_bytes():
+    """Outside :func:`float32_weights_packed` float32 layers are untouched; inside, every linear of a LoRA model runs
+    packed and its logits stay within float32 rounding of the plain ones; fake tensors (the estimator) get plain
+    copies of the packed bytes, and a tied head is copied once."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    model = _lora(tiny_model("llama", seed=5, tie_word_embeddings=True)).eval()
+    weights = {id(m.weight): m.weight for m in model.modules() if type(m) is torch.nn.Linear}
+    linears = sum(type(m) is torch.nn.Linear for m in model.modules())
+    ids, mask = _prompts()
+    with torch.no_grad():
+        expected = model(input_ids=ids, attention_mask=mask).logits
+        with linear_weights_cast_once(model) as held:
+            assert held == 0 and not any("forward" in m.__dict__ for m in model.modules())
+        with float32_weights_packed(), linear_weights_cast_once(model) as held, _Ops() as ops:
+            got = model(input_ids=ids, attention_mask=mask).logits
+    assert held == sum(w.numel() for w in weights.values()) * 4
+    assert ops.names.count("mkldnn._linear_pointwise.default") == linears
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)  # another kernel on the same float32 numbers
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = mode.from_tensor(torch.randn(8, 6))
+        layer = torch.nn.Linear(6, 4)
+        layer.weight = torch.nn.Parameter(mode.from_tensor(layer.weight.detach()))
+        layer.bias = torch.nn.Parameter(mode.from_tensor(layer.bias.detach()))
+        with torch.no_grad(), float32_weights_packed(), linear_weights_cast_once(layer) as held, _Ops() as ops:
+            assert layer(fake).shape == (8, 4)
+    assert held == 6 * 4 * 4 and "mkldnn._linear_pointwise.default" not in ops.names
+
+
+def test_float32_packing_says_why_not_where_it_cannot_run():
+    assert "on meta" in float32_packing_unsupported(torch.device("meta"))
+    with torch.backends.mkldnn.flags(enabled=False):
+        assert "oneDNN" in float32_packing_unsupported(torch.device("cpu"))
+
+
 @pytest.mark.bench
 @pytest.mark.slow
 def test_bench_packed_linear_quick_table(capsys):
@@ -179,3 +250,10 @@ def test_bench_packed_linear_quick_table(capsys):
     rows = [line.split(" | ") for line in text.splitlines() if line.startswith("| q") or line.startswith("| k")]
     assert [(r[0].strip("| "), r[2]) for r in rows] == [(p, n) for n in ("8", "32") for p in ("q, o", "k, v")]
     assert all(r[8] == "yes" for r in rows)  # the packed layer's outputs equal F.linear's on the cast
+    with load_bench("bench_packed_linear.py") as bench:
+        text = bench.main(["--quick", "--float32"])
+    rows = [line.split(" | ") for line in text.splitlines() if line.startswith("| q") or line.startswith("| k")]
+    assert len(rows) == 4 and "F.linear µs" in text
+    for row in rows:  # float32: another summation order, each side's error against float64 of float32's size
+        errors = [float(e) for e in re.findall(r"(?:F\.linear|packed) ([0-9.e+-]+)", row[8])]
+        assert row[8] == "yes" or (row[8].startswith("no: ") and len(errors) == 2 and max(errors) < 1e-4), row

@@ -298,12 +298,29 @@ def test_a_bf16_sampler_reads_half_the_bytes_at_the_bf16_rate_after_one_cast(mer
     )
 
 
+@pytest.mark.parametrize("merged", [False, True])
+def test_a_packed_float32_sampler_copies_the_weights_it_reads_once_and_reads_them_as_before(merged):
+    """A float32 sampler on packed weights: one part before the rollout reads and writes the weights it will read
+    (4 bytes each: the trunk and head, the adapters unless merged), then every part is the plain sampler's."""
+    lora = _settings(prompts=4, new_tokens=3, adapters=10_000, trainable=10_000)
+    plain = phase_work(SMOL, replace(lora, rollout_merged=merged))["rollout"]
+    packed = phase_work(SMOL, replace(lora, rollout_merged=merged, rollout_packed=True))["rollout"]
+    w, hv = SMOL.trunk_weights, SMOL.head_weights
+    assert len(packed) == len(plain) + (not merged)  # merged: one part before the rollout does both
+    before = plain[0].bytes if merged else 0
+    assert packed[0].flops == 0 and packed[0].bytes - before == (w + hv + 10_000 * (not merged)) * 8
+    assert packed[1:] == plain[merged:]
+
+
 def test_grpo_declares_its_sampler_for_the_roofline():
     lora = LoraSettings(r=4, alpha=8, target_modules="all-linear")
     method = RefCachedGRPO(name_or_path="tiny:llama", lora=lora, rollout_dtype="bfloat16", rollout_lora="merged")
     assert (step_work(method).rollout_dtype, step_work(method).rollout_merged) == ("bfloat16", True)
     settings = StepSettings.of(step_work(method), trainable=1, prompts=1, generations=2, prompt_length=4, new_tokens=2)
     assert (settings.rollout_dtype, settings.rollout_merged) == ("bfloat16", True)
+    packed = RefCachedGRPO(name_or_path="tiny:llama", rollout_linear="packed")
+    settings = StepSettings.of(step_work(packed), trainable=1, prompts=1, generations=2, prompt_length=4, new_tokens=2)
+    assert settings.rollout_packed and not step_work(method).rollout_packed
     full = RefCachedGRPO(name_or_path="tiny:llama", rollout_lora="merged")  # no LoRA: nothing to merge
     assert (step_work(full).rollout_dtype, step_work(full).rollout_merged) == (None, False)
 

@@ -162,26 +162,38 @@ def test_a_step_corrects_with_the_weights_the_mode_gives(monkeypatch, capture_lo
 
 def test_a_bf16_rollout_of_float32_weights_is_another_sampler_and_is_predicted(capture_logger, tmp_path):
     """``rollout_dtype: bfloat16`` decodes float32 weights in bf16: the logged gap grows past float32's, the weights
-    stay float32, and the profiler's prediction of the rollout (its bf16 cache and casts) matches what it measures."""
+    stay float32, and the profiler's prediction of the rollout (its bf16 cache and casts) matches what it measures.
+    ``rollout_linear: packed`` (where oneDNN runs) decodes them in float32 on packed copies: a gap of float32's
+    size, and a peak raised by the copies, predicted as such."""
     from lit_rl.callbacks import MemoryProfiler
+    from lit_rl.models.cast_once import float32_packing_unsupported
 
+    settings = {"same": {}, "bfloat16": dict(rollout_dtype="bfloat16"), "packed": dict(rollout_linear="packed")}
+    if float32_packing_unsupported(torch.device("cpu")) is not None:
+        del settings["packed"]
     gaps, peaks = {}, {}
-    for rollout_dtype in ("same", "bfloat16"):
+    for name, setting in settings.items():
         torch.manual_seed(0)
-        method = _method(rollout_dtype=rollout_dtype)
+        method = _method(**setting)
         _trainer(logger=capture_logger, callbacks=[MemoryProfiler()], default_root_dir=tmp_path).fit(method, _data())
-        gaps[rollout_dtype] = capture_logger.metrics["rollout/sampler_logp_diff/max"][-1][1]
+        gaps[name] = capture_logger.metrics["rollout/sampler_logp_diff/max"][-1][1]
         assert next(method.policy.parameters()).dtype == torch.float32
         measured = capture_logger.metrics["memory/rollout/peak_gib"][-1][1]
         predicted = capture_logger.metrics["memory/rollout/predicted_gib"][-1][1]
-        assert predicted == pytest.approx(measured, rel=0.02), rollout_dtype
-        peaks[rollout_dtype] = (measured, predicted)
+        assert predicted == pytest.approx(measured, rel=0.02), name
+        peaks[name] = (measured, predicted)
     assert gaps["same"] < 1e-4 < gaps["bfloat16"]
-    # a bf16 KV cache, and bf16 casts of the linear layers held through the rollout: another peak, predicted as such
-    assert abs(peaks["bfloat16"][0] / peaks["same"][0] - 1) > 0.01
-    assert (peaks["bfloat16"][0] - peaks["same"][0]) * (peaks["bfloat16"][1] - peaks["same"][1]) > 0
+    for name in ("bfloat16", "packed")[: len(settings) - 1]:
+        # bf16: a bf16 KV cache and bf16 casts of the linear layers; packed: float32 copies. Both held through the
+        # rollout: another peak, predicted as such
+        assert abs(peaks[name][0] / peaks["same"][0] - 1) > 0.01, name
+        assert (peaks[name][0] - peaks["same"][0]) * (peaks[name][1] - peaks["same"][1]) > 0, name
+    if "packed" in gaps:
+        assert gaps["packed"] < 1e-4 and peaks["packed"][0] > peaks["bfloat16"][0]
     with pytest.raises(ValueError, match="model.rollout_dtype: 'fp8' is not same or bfloat16"):
         _method(rollout_dtype="fp8")
+    with pytest.raises(ValueError, match="model.rollout_linear: 'mkl' is not plain or packed"):
+        _method(rollout_linear="mkl")
 
 
 def test_the_correction_under_generate_says_it_corrects_nothing():

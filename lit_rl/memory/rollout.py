@@ -104,6 +104,8 @@ class StepWork:
             of float32 weights, cast once per rollout); ``None``: the trainer's.
         rollout_merged: a sampled rollout reads LoRA merged into a copy of the weights (one matmul per layer), made
             once per rollout.
+        rollout_packed: a sampled rollout's float32 linear layers read a copy of their weights packed for oneDNN,
+            made once per rollout (:func:`lit_rl.models.cast_once.float32_weights_packed`).
         rollout_rows: a sampled rollout decodes at most this many completions together, in chunks that each read
             the weights at every token (:func:`lit_rl.models.sampling.rollout_chunks`); ``None``: all at once.
     """
@@ -118,6 +120,7 @@ class StepWork:
     differentiable: DifferentiableRollout | None = None
     rollout_dtype: str | None = None
     rollout_merged: bool = False
+    rollout_packed: bool = False
     rollout_rows: int | None = None
 
     def __post_init__(self) -> None:

@@ -30,7 +30,8 @@ completion, as :class:`~lit_rl.memory.step_prediction.StepShape` reads them):
   keys and running the head; each reads every weight (``W + A + H*V``) and the cache so far. Reward functions and
   text decoding are not counted. A sampler in its own dtype (``StepWork.rollout_dtype``: bfloat16 of float32
   weights) reads weights and cache at that dtype's size, runs at its matmul rate, and first casts the weights once
-  (read and written); a merged one (``rollout_merged``) runs no adapter matmul and first writes the merged trunk.
+  (read and written); a merged one (``rollout_merged``) runs no adapter matmul and first writes the merged trunk;
+  a packed one (``rollout_packed``, float32 weights in oneDNN's layout) first copies the weights it reads once.
   A rollout decoded in chunks (``StepWork.rollout_rows``: :func:`~lit_rl.models.sampling.rollout_chunks`) makes
   the prefill and the ``C`` decode steps once per chunk, over its prompts and rows, each step reading every weight.
 - ``reference``: a no-grad forward over the rollout per scoring pass, per micro-batch: ``u*P + b*C`` trunk tokens
@@ -189,6 +190,7 @@ class StepSettings:
     # a sampled rollout's own precision (None: the trainer's) and LoRA merged into the weights it reads
     rollout_dtype: str | None = None
     rollout_merged: bool = False
+    rollout_packed: bool = False  # float32 weights copied into oneDNN's layout once per rollout
     rollout_rows: int | None = None  # completions decoded together; None: all B * G
     # the rollout's completion tokens that count (padding-free passes run only these; None: every row at new_tokens)
     completion_tokens: int | None = None
@@ -221,6 +223,7 @@ class StepSettings:
             clip=work.clip,
             rollout_dtype=work.rollout_dtype,
             rollout_merged=work.rollout_merged,
+            rollout_packed=work.rollout_packed,
             rollout_rows=work.rollout_rows,
             **extra,
             **shapes,
@@ -314,8 +317,9 @@ def phase_work(m: ModelShape, s: StepSettings) -> dict[str, list[Work]]:
 
 def _sampler(m: ModelShape, s: StepSettings, rb: int) -> list[Work]:
     """What a sampled rollout does once before its first token, its weights ``rb`` bytes each: LoRA merged into a
-    copy of the trunk's weights (the base and adapters read, the copy written in the rollout's dtype) and the weights
-    left to cast to the rollout's dtype (read and written); the merge's own small matmuls are not counted."""
+    copy of the trunk's weights (the base and adapters read, the copy written in the rollout's dtype), the weights
+    left to cast to the rollout's dtype (read and written), and a float32 sampler's packed copy of the weights it
+    reads (read and written); the merge's own small matmuls are not counted."""
     w, hv, wb = m.trunk_weights, m.head_weights, s.weight_bytes
     merged = s.rollout_merged and s.adapters > 0
     moved = 0
@@ -323,6 +327,8 @@ def _sampler(m: ModelShape, s: StepSettings, rb: int) -> list[Work]:
         moved += (w + s.adapters) * wb + w * rb
     if rb != wb:
         moved += (hv if merged else w + hv) * (wb + rb)
+    elif s.rollout_packed and s.rollout_dtype is None:
+        moved += (w + hv + (0 if merged else s.adapters)) * 2 * rb
     return [Work(0, moved)] if moved else []
 
 

@@ -96,6 +96,10 @@ class RefCachedGRPO(RLMethod):
             layers held through the rollout, which the estimator charges). Faster where bf16 matmuls are, and the
             sampler is then not the trainer: the gap is logged as ``rollout/sampler_*``, and
             ``loss.importance_sampling_correction`` corrects for it. No effect on bf16 weights.
+        rollout_linear: ``plain``: the trainer's matmul kernels; ``packed``: on a CPU, the decode loop's float32
+            linear layers run oneDNN on weights packed once per rollout (a copy held through the rollout, charged by
+            the estimator: :mod:`lit_rl.models.cast_once`). Float32 arithmetic in another order: not exact, a gap
+            about float32 rounding's, logged as for ``rollout_dtype``; faster on decode steps of a few rows.
         rollout_lora: ``adapters``: LoRA layers run their adapters in the rollout; ``merged``: the rollout reads
             merged weights, one matmul per layer (:mod:`lit_rl.models.merged_lora`: a copy held through the
             rollout, charged by the estimator; not exact, the gap is logged as for ``rollout_dtype``).
@@ -138,6 +142,7 @@ class RefCachedGRPO(RLMethod):
         share_prompt: bool = True,
         padding_free: bool = True,
         rollout_dtype: Literal["same", "bfloat16"] = "same",
+        rollout_linear: Literal["plain", "packed"] = "plain",
         rollout_lora: Literal["adapters", "merged"] = "adapters",
         rollout_draw: Literal["generate", "fast"] = "generate",
         rollout_rows: int | None = None,
@@ -167,7 +172,7 @@ class RefCachedGRPO(RLMethod):
         hp = self.hparams  # one more policy pass for the old log-probs (num_iterations > 1), and the sampler's settings
         sampler = dict(rollout_dtype=None if hp.rollout_dtype == "same" else hp.rollout_dtype,
                        rollout_merged=hp.rollout_lora == "merged" and self.uses_lora,
-                       rollout_rows=hp.rollout_rows)  # fmt: skip
+                       rollout_packed=hp.rollout_linear == "packed", rollout_rows=hp.rollout_rows)  # fmt: skip
         return replace(super().step_work(), scoring_passes=int(hp.num_iterations > 1), iterations=hp.num_iterations,
                        **sampler)  # fmt: skip
 
@@ -221,7 +226,7 @@ class RefCachedGRPO(RLMethod):
         if hp.temperature <= 0:
             raise ValueError(f"model.temperature: must be > 0, got {hp.temperature}; use 1.0 for plain sampling")
         for name, choices in (("rollout_dtype", "same bfloat16"), ("rollout_lora", "adapters merged"),
-                              ("rollout_draw", "generate fast")):  # fmt: skip
+                              ("rollout_draw", "generate fast"), ("rollout_linear", "plain packed")):  # fmt: skip
             if hp[name] not in choices.split():
                 raise ValueError(f"model.{name}: {hp[name]!r} is not {' or '.join(choices.split())}; use one of them")
 
@@ -237,7 +242,7 @@ class RefCachedGRPO(RLMethod):
         """
         hp = self.hparams
         eos = self.eos_ids()
-        with rollout_sampler(self.policy, dtype=hp.rollout_dtype, lora=hp.rollout_lora):
+        with rollout_sampler(self.policy, dtype=hp.rollout_dtype, lora=hp.rollout_lora, linear=hp.rollout_linear):
             sequences, sampler_logp = sample_completions(
                 self.policy, input_ids, attention_mask, self.tokenizer.pad_token_id, eos,
                 repeats=hp.num_generations, share_prompt=self.share_prompt, own_decode=self.own_decode,
@@ -377,13 +382,9 @@ class RefCachedGRPO(RLMethod):
         full = f"[{s['micro_batch']}, {s['new_tokens']}, {s['vocab']}] fp32"
         return rows + [
             ("logits chunk (token math)", f"[{tc}, {vc}] fp32", tc * vc * 4, "about two live at a time"),
-            (
-                "full logits (never allocated)",
-                full,
-                mb * c * s["vocab"] * 4,
-                "what a logits-based loss would hold per micro-batch",
-            ),
-        ]
+            ("full logits (never allocated)", full, mb * c * s["vocab"] * 4,
+             "what a logits-based loss would hold per micro-batch"),
+        ]  # fmt: skip
 
     # ------------------------------------------------------------------ cached passes
     @torch.no_grad()

@@ -6,12 +6,12 @@ trunk, the head spec and the load-time parity check. Also here: the own decode l
 to ``generate`` for a model), the compiled step's compile seconds per shape (:func:`compile_seconds`), a decode
 step's attention with its grouped query heads packed (:func:`packed_sdpa_forward`: what half-precision decoding
 runs on a CPU), the decode loop's weights cast once per rollout (:func:`linear_weights_cast_once`, packed for oneDNN
-where bf16 runs there), and the tiny random models' parts built in memory for tests (:func:`tiny_config`,
+where bf16 runs there, and float32 weights packed too within :func:`float32_weights_packed`), and the tiny random models' parts built in memory for tests (:func:`tiny_config`,
 :func:`tiny_tokenizer`).
 """
 
 from lit_rl.models.cache_keyword import cache_keyword, cache_kwargs, output_cache
-from lit_rl.models.cast_once import linear_weights_cast_once
+from lit_rl.models.cast_once import float32_weights_packed, linear_weights_cast_once
 from lit_rl.models.checkpointing import checkpointing_refused, enable_activation_checkpointing, own_recomputation
 from lit_rl.models.compiled_decode import compile_seconds, compile_unsupported
 from lit_rl.models.decode import decode_unsupported
@@ -97,6 +97,7 @@ __all__ = [
     "embedded_default_path",
     "embedded_gguf_path",
     "enable_activation_checkpointing",
+    "float32_weights_packed",
     "forward_soft_embeds",
     "forward_soft_sparse",
     "gather_trunk",

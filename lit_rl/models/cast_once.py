@@ -23,6 +23,15 @@ call (``python bench/bench_packed_linear.py`` measures both, ``bench/results/pac
 replaces the cast, with the same bytes for dimensions that are multiples of 16. Fake tensors (the estimator) and
 other devices keep plain casts.
 
+**A float32 sampler on packed weights** (``model.rollout_linear: packed``, :func:`float32_weights_packed`): outside
+autocast the float32 weights are packed the same way, into a copy held through the rollout (the estimator charges
+it). oneDNN's float32 linear sums in another order than ``F.linear``'s (MKL on this project's CPU), so this one is
+not bitwise: a layer's output differs by float32 rounding (``tests/test_cast_once.py`` bounds it against a
+float64 reference), and the sampler's log-probs differ from the trainer's by about what the exact decode loop's
+already do (the rollout is an incremental decode, the trainer a full forward; both are logged as
+``rollout/sampler_*``). It is faster on decode steps of a few rows, where ``F.linear`` reads float32 weights slowly
+(``bench/results/packed_linear.md``).
+
 Only exact ``nn.Linear`` modules are cast (a LoRA layer's base layer and adapters are; an NF4 layer, a GPT-2
 ``Conv1D`` or a module whose ``forward`` someone else has replaced on the instance are not, and stay as they were).
 """
@@ -30,13 +39,35 @@ Only exact ``nn.Linear`` modules are cast (a LoRA layer's base layer and adapter
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 
-__all__ = ["linear_weights_cast_once"]
+__all__ = ["float32_packing_unsupported", "float32_weights_packed", "linear_weights_cast_once"]
+
+_FLOAT32_PACKED: contextvars.ContextVar[bool] = contextvars.ContextVar("float32_packed", default=False)
+
+
+@contextlib.contextmanager
+def float32_weights_packed() -> Iterator[None]:
+    """Within it, :func:`linear_weights_cast_once` also packs float32 weights outside autocast (not bitwise)."""
+    token = _FLOAT32_PACKED.set(True)
+    try:
+        yield
+    finally:
+        _FLOAT32_PACKED.reset(token)
+
+
+def float32_packing_unsupported(device: torch.device) -> str | None:
+    """Why float32 weights on ``device`` would not be packed (``None``: they would be)."""
+    if device.type != "cpu":
+        return f"oneDNN's packed linear runs on a CPU, the weights are on {device.type}"
+    if not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
+        return "this torch has no oneDNN (torch.backends.mkldnn) or it is disabled"
+    return None
 
 
 def _autocast_dtype(model: torch.nn.Module) -> torch.dtype | None:
@@ -56,10 +87,14 @@ def _autocast_dtype(model: torch.nn.Module) -> torch.dtype | None:
 def linear_weights_cast_once(model: torch.nn.Module) -> Iterator[int]:
     """Under an active autocast, run ``model``'s float32 ``nn.Linear`` layers on casts made once; yields their bytes.
 
-    Outside autocast (or with no such layer) nothing changes and it yields 0. Call it under ``torch.no_grad()``:
-    the casts are detached, so a backward through them would not reach the weights.
+    Outside autocast (or with no such layer) nothing changes and it yields 0, unless :func:`float32_weights_packed`
+    is active: then the float32 weights are packed for oneDNN into copies (on fake tensors, plain copies of the same
+    bytes). Call it under ``torch.no_grad()``: the casts are detached, so a backward through them would not reach
+    the weights.
     """
     dtype = _autocast_dtype(model)
+    if dtype is None and _FLOAT32_PACKED.get():
+        dtype = torch.float32
     if dtype is None:
         yield 0
         return
@@ -70,7 +105,13 @@ def linear_weights_cast_once(model: torch.nn.Module) -> Iterator[int]:
             return None
         if id(tensor) not in casts:  # tied weights (an LM head) are cast once
             copy = tensor.detach().to(dtype)
-            casts[id(tensor)] = torch.ops.mkldnn._reorder_linear_weight(copy) if _packs(copy) else copy
+            if _packs(copy):
+                copy = torch.ops.mkldnn._reorder_linear_weight(copy)
+            elif copy.dtype == tensor.dtype:  # a float32 "cast" is the parameter itself
+                if copy.dim() == 1:
+                    return copy  # a bias stays as it is: nothing held
+                copy = copy.clone()  # a fake weight: the packed copy's bytes
+            casts[id(tensor)] = copy
         return casts[id(tensor)]
 
     patched: list[torch.nn.Module] = []
@@ -92,16 +133,13 @@ def linear_weights_cast_once(model: torch.nn.Module) -> Iterator[int]:
 
 
 def _packs(cast: torch.Tensor) -> bool:
-    """Whether a bf16 cast goes into oneDNN's layout: on a CPU whose bf16 ``F.linear`` runs oneDNN, not fake."""
-    return (
-        cast.dtype == torch.bfloat16
-        and cast.device.type == "cpu"
-        and cast.dim() == 2
-        and not isinstance(cast, FakeTensor)
-        and torch.backends.mkldnn.is_available()
-        and torch.backends.mkldnn.enabled
-        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    )
+    """Whether a cast goes into oneDNN's layout: a real CPU weight, bf16 where oneDNN runs bf16 ``F.linear``
+    (bitwise the same), float32 where :func:`float32_weights_packed` asked for it (the only way one gets here)."""
+    if cast.dim() != 2 or isinstance(cast, FakeTensor) or float32_packing_unsupported(cast.device) is not None:
+        return False
+    if cast.dtype == torch.float32:
+        return _FLOAT32_PACKED.get()
+    return cast.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def _cast_forward(weight: torch.Tensor, bias: torch.Tensor | None):

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from transformers import GenerationConfig
 
 from lit_rl.models.cache_keyword import cache_kwargs
+from lit_rl.models.cast_once import float32_packing_unsupported, float32_weights_packed
 from lit_rl.models.compiled_decode import compiled_decode
 from lit_rl.models.decode import decode, sampling_settings, weights_are_real
 from lit_rl.models.decode_attention import packed_decode_attention
@@ -141,18 +142,29 @@ def rollout_chunks(prompts: int, repeats: int, rows: int | None) -> list[tuple[i
 
 
 @contextlib.contextmanager
-def rollout_sampler(policy, *, dtype: str = "same", lora: str = "adapters") -> Iterator[None]:
+def rollout_sampler(policy, *, dtype: str = "same", lora: str = "adapters", linear: str = "plain") -> Iterator[None]:
     """The model a rollout samples with, as one context around :func:`sample_completions`.
 
     ``dtype="bfloat16"`` with float32 weights: the matmuls run under bf16 autocast (its cast cache off; the decode
-    loop casts each weight once, :mod:`lit_rl.models.cast_once`). ``lora="merged"``: LoRA layers read merged
-    weights (:func:`lit_rl.models.merged_lora.lora_merged`); a model whose LoRA layers cannot merge says so once.
+    loop casts each weight once, :mod:`lit_rl.models.cast_once`). ``linear="packed"`` with float32 weights and no
+    autocast: the decode loop's linear layers run oneDNN on float32 copies packed once
+    (:func:`lit_rl.models.cast_once.float32_weights_packed`); where that cannot run it says so once. ``lora="merged"``:
+    LoRA layers read merged weights (:func:`lit_rl.models.merged_lora.lora_merged`); a model whose LoRA layers
+    cannot merge says so once.
     """
     with contextlib.ExitStack() as stack:
         stack.enter_context(gathered(policy))  # sharded (FSDP2): each unit gathered once, not once per token
         weight = next(policy.parameters())
         if dtype == "bfloat16" and weight.dtype == torch.float32:
             stack.enter_context(torch.autocast(weight.device.type, dtype=torch.bfloat16, cache_enabled=False))
+        if linear == "packed":
+            reason = float32_packing_unsupported(weight.device)
+            if weight.dtype != torch.float32 or torch.is_autocast_enabled(weight.device.type):
+                reason = "the rollout does not compute in float32 (its bf16 casts are packed where that is exact)"
+            if reason is None:
+                stack.enter_context(float32_weights_packed())
+            else:
+                say_once(f"model.rollout_linear: packed has no effect: {reason}")
         if lora == "merged":
             merged, left = stack.enter_context(lora_merged(policy))
             if left:
