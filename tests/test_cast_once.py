@@ -9,6 +9,7 @@ a float64 reference, its tokens are a sampler's of the same model, and its copie
 
 from __future__ import annotations
 
+import contextlib
 import re
 
 import pytest
@@ -210,6 +211,7 @@ def test_float32_packing_is_asked_for_runs_every_linear_and_fake_tensors_hold_th
 
     model = _lora(tiny_model("llama", seed=5, tie_word_embeddings=True)).eval()
     weights = {id(m.weight): m.weight for m in model.modules() if type(m) is torch.nn.Linear}
+    copied = [w for w in weights.values() if w.requires_grad or w is model.get_input_embeddings().weight]
     linears = sum(type(m) is torch.nn.Linear for m in model.modules())
     ids, mask = _prompts()
     with torch.no_grad():
@@ -218,7 +220,8 @@ def test_float32_packing_is_asked_for_runs_every_linear_and_fake_tensors_hold_th
             assert held == 0 and not any("forward" in m.__dict__ for m in model.modules())
         with float32_weights_packed(), linear_weights_cast_once(model) as held, _Ops() as ops:
             got = model(input_ids=ids, attention_mask=mask).logits
-    assert held == sum(w.numel() for w in weights.values()) * 4
+    assert held == sum(w.numel() for w in copied) * 4  # the adapters and the tied head; the frozen base lent its own
+    assert 0 < len(copied) < len(weights)
     assert ops.names.count("mkldnn._linear_pointwise.default") == linears
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)  # another kernel on the same float32 numbers
     assert not any("forward" in m.__dict__ for m in model.modules())
@@ -230,6 +233,43 @@ def test_float32_packing_is_asked_for_runs_every_linear_and_fake_tensors_hold_th
         with torch.no_grad(), float32_weights_packed(), linear_weights_cast_once(layer) as held, _Ops() as ops:
             assert layer(fake).shape == (8, 4)
     assert held == 6 * 4 * 4 and "mkldnn._linear_pointwise.default" not in ops.names
+
+
+@pytest.mark.skipif(not ONEDNN, reason="this torch has no oneDNN: float32 weights are not packed")
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_frozen_float32_weight_lends_its_storage_to_its_packed_copy_and_gets_it_back_bitwise(tied):
+    """A frozen weight only its layer reads (a LoRA base) holds no data while its packed copy runs, and afterwards
+    has its own values back, bitwise, also after an error; trained weights, and a head the embedding also reads,
+    keep theirs throughout. The estimator's fake tensors do the same."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    model = _lora(tiny_model("llama", seed=6, tie_word_embeddings=tied)).eval()
+    weights = {name: p for name, p in model.named_parameters() if p.dim() == 2 and "embed" not in name}
+    before = {name: p.detach().clone() for name, p in weights.items()}
+    frozen = {name for name, p in weights.items() if not p.requires_grad and not (tied and "lm_head" in name)}
+    assert frozen and frozen != set(weights) and (tied or "base_model.model.lm_head.weight" in frozen)
+    ids, mask = _prompts()
+    for error in (False, True):
+        with contextlib.ExitStack() as outside:
+            if error:  # raised inside the context: the weights come back on the way out
+                outside.enter_context(pytest.raises(RuntimeError, match="boom"))
+            with torch.no_grad(), float32_weights_packed(), linear_weights_cast_once(model) as held:
+                assert {name for name, p in weights.items() if p.numel() == 0} == frozen
+                tied_head = model.get_input_embeddings().weight.numel() if tied else 0  # copied: the lookup reads it
+                assert held == (sum(before[name].numel() for name in set(weights) - frozen) + tied_head) * 4
+                model(input_ids=ids, attention_mask=mask)
+                if error:
+                    raise RuntimeError("boom")
+        for name, p in weights.items():
+            assert p.shape == before[name].shape and torch.equal(p, before[name]) and p.is_contiguous(), name
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        layer = torch.nn.Linear(6, 4, bias=False).requires_grad_(False)
+        layer.weight = torch.nn.Parameter(mode.from_tensor(layer.weight.detach()), requires_grad=False)
+        with torch.no_grad(), float32_weights_packed(), linear_weights_cast_once(layer) as held:
+            assert (
+                held == 0 and layer.weight.numel() == 0 and layer(mode.from_tensor(torch.randn(3, 6))).shape == (3, 4)
+            )
+        assert layer.weight.shape == (4, 6)
 
 
 def test_float32_packing_says_why_not_where_it_cannot_run():

@@ -15,7 +15,7 @@ import torch
 from test_grpo import _data, _method, _ready, _trainer
 
 from lit_rl.losses import LossSettings, sampler_mismatch, sampler_weights
-from lit_rl.models import sample_completions
+from lit_rl.models import LoraSettings, sample_completions
 
 B, T = 5, 7
 
@@ -194,6 +194,34 @@ def test_a_bf16_rollout_of_float32_weights_is_another_sampler_and_is_predicted(c
         _method(rollout_dtype="fp8")
     with pytest.raises(ValueError, match="model.rollout_linear: 'mkl' is not plain or packed"):
         _method(rollout_linear="mkl")
+
+
+def test_a_packed_float32_rollout_of_a_lora_model_lends_the_bases_storage_and_is_predicted(capture_logger, tmp_path):
+    """``rollout_linear: packed`` under LoRA: the frozen base's packed copies take its storage, so the rollout holds
+    about what the plain one does (the adapters' and a tied head's copies more), and the profiler predicts it."""
+    from lit_rl.callbacks import MemoryProfiler
+    from lit_rl.models.cast_once import float32_packing_unsupported
+
+    if float32_packing_unsupported(torch.device("cpu")) is not None:
+        pytest.skip("this torch has no oneDNN: float32 weights are not packed")
+    peaks = {}
+    for linear in ("plain", "packed"):
+        torch.manual_seed(0)
+        method = _method(lora=LoraSettings(r=4, alpha=8, target_modules="all-linear"), rollout_linear=linear)
+        _trainer(logger=capture_logger, callbacks=[MemoryProfiler()], default_root_dir=tmp_path).fit(method, _data())
+        measured = capture_logger.metrics["memory/rollout/peak_gib"][-1][1]
+        predicted = capture_logger.metrics["memory/rollout/predicted_gib"][-1][1]
+        assert predicted == pytest.approx(measured, rel=0.02), linear
+        peaks[linear] = measured * 2**30
+    policy = method.policy
+    embedding, head = policy.get_input_embeddings().weight, policy.get_output_embeddings().weight
+    base = sum(
+        p.numel() * 4 for p in policy.parameters() if p.dim() == 2 and not p.requires_grad and p is not embedding
+    )
+    copies = sum(p.numel() * 4 for p in policy.parameters() if p.dim() == 2 and p.requires_grad)  # the adapters
+    copies += head.numel() * 4 if head is embedding else 0  # a tied head: the lookup reads it
+    assert 0 < peaks["packed"] - peaks["plain"] < copies + base / 2  # a copy of the base would add all of it
+    assert capture_logger.metrics["rollout/sampler_logp_diff/max"][-1][1] < 1e-4
 
 
 def test_the_correction_under_generate_says_it_corrects_nothing():

@@ -97,9 +97,9 @@ class RefCachedGRPO(RLMethod):
             sampler is then not the trainer: the gap is logged as ``rollout/sampler_*``, and
             ``loss.importance_sampling_correction`` corrects for it. No effect on bf16 weights.
         rollout_linear: ``plain``: the trainer's matmul kernels; ``packed``: on a CPU, the decode loop's float32
-            linear layers run oneDNN on weights packed once per rollout (a copy held through the rollout, charged by
-            the estimator: :mod:`lit_rl.models.cast_once`). Float32 arithmetic in another order: not exact, a gap
-            about float32 rounding's, logged as for ``rollout_dtype``; faster on decode steps of a few rows.
+            linear layers run oneDNN on weights packed once per rollout (a LoRA base in its own storage, trained or
+            tied weights in a copy held through the rollout, charged by the estimator: :mod:`lit_rl.models.cast_once`).
+            Float32 in another order: not exact, a gap of float32 rounding, logged as for ``rollout_dtype``.
         rollout_lora: ``adapters``: LoRA layers run their adapters in the rollout; ``merged``: the rollout reads
             merged weights, one matmul per layer (:mod:`lit_rl.models.merged_lora`: a copy held through the
             rollout, charged by the estimator; not exact, the gap is logged as for ``rollout_dtype``).

@@ -24,8 +24,11 @@ replaces the cast, with the same bytes for dimensions that are multiples of 16. 
 other devices keep plain casts.
 
 **A float32 sampler on packed weights** (``model.rollout_linear: packed``, :func:`float32_weights_packed`): outside
-autocast the float32 weights are packed the same way, into a copy held through the rollout (the estimator charges
-it). oneDNN's float32 linear sums in another order than ``F.linear``'s (MKL on this project's CPU), so this one is
+autocast the float32 weights are packed the same way. A frozen weight that only its layer reads (a LoRA base) lends
+its storage to its packed copy: the parameter holds no data until the rollout ends, when it is unpacked again, bitwise
+what it was, so the rollout holds no more than before. A trained or tied weight (full fine-tuning, a head tied to the
+embedding) gets a copy held through the rollout. The estimator charges either (its fake tensors do the same with plain
+copies). oneDNN's float32 linear sums in another order than ``F.linear``'s (MKL on this project's CPU), so this one is
 not bitwise: a layer's output differs by float32 rounding (``tests/test_cast_once.py`` bounds it against a
 float64 reference), and the sampler's log-probs differ from the trainer's by about what the exact decode loop's
 already do (the rollout is an incremental decode, the trainer a full forward; both are logged as
@@ -38,6 +41,7 @@ Only exact ``nn.Linear`` modules are cast (a LoRA layer's base layer and adapter
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import contextvars
 from collections.abc import Iterator
@@ -99,6 +103,8 @@ def linear_weights_cast_once(model: torch.nn.Module) -> Iterator[int]:
         yield 0
         return
     casts: dict[int, torch.Tensor] = {}  # id(parameter) -> its cast (packed for oneDNN where that is bitwise F.linear)
+    moved: dict[int, torch.nn.Parameter] = {}  # float32 weights whose storage their packed copy replaced
+    uses = collections.Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
 
     def cast(tensor: torch.Tensor | None) -> torch.Tensor | None:
         if tensor is None:
@@ -112,6 +118,9 @@ def linear_weights_cast_once(model: torch.nn.Module) -> Iterator[int]:
                     return copy  # a bias stays as it is: nothing held
                 copy = copy.clone()  # a fake weight: the packed copy's bytes
             casts[id(tensor)] = copy
+            if copy.dtype == tensor.dtype and _movable(tensor, uses):
+                tensor.data = tensor.new_empty(0)  # the packed copy stands in for it until the rollout ends
+                moved[id(tensor)] = tensor
         return casts[id(tensor)]
 
     patched: list[torch.nn.Module] = []
@@ -124,12 +133,23 @@ def linear_weights_cast_once(model: torch.nn.Module) -> Iterator[int]:
             weight, bias = cast(module.weight), cast(module.bias)  # a bias stays a plain cast (one dimension)
             module.forward = _packed_forward(weight, bias) if weight.is_mkldnn else _cast_forward(weight, bias)
             patched.append(module)
-        # each cast is a fresh dense copy; a packed one (opaque, no storage) holds the same bytes
-        yield sum(t.numel() * t.element_size() for t in casts.values())
+        # each cast is a fresh dense copy; a packed one (opaque, no storage) holds the same bytes; a moved one
+        # replaced its parameter's storage
+        yield sum(t.numel() * t.element_size() for key, t in casts.items() if key not in moved)
     finally:
         for module in patched:
             del module.forward
+        for key, parameter in moved.items():  # one at a time: one weight's two copies at most
+            packed = casts.pop(key)
+            parameter.data = packed.to_dense() if packed.is_mkldnn else packed
+            del packed
         casts.clear()
+
+
+def _movable(parameter: torch.Tensor, uses: collections.Counter) -> bool:
+    """Whether a float32 weight's storage can give way to its packed copy for the rollout: a frozen parameter (a LoRA
+    base) that no other module reads (a head tied to the embedding is read by the embedding lookup)."""
+    return isinstance(parameter, torch.nn.Parameter) and not parameter.requires_grad and uses[id(parameter)] == 1
 
 
 def _packs(cast: torch.Tensor) -> bool:
