@@ -301,14 +301,15 @@ def test_a_bf16_sampler_reads_half_the_bytes_at_the_bf16_rate_after_one_cast(mer
 @pytest.mark.parametrize("merged", [False, True])
 def test_a_packed_float32_sampler_copies_the_weights_it_reads_once_and_reads_them_as_before(merged):
     """A float32 sampler on packed weights: one part before the rollout reads and writes the weights it will read
-    (4 bytes each: the trunk and head, the adapters unless merged), then every part is the plain sampler's."""
+    (4 bytes each: the trunk and head, the adapters unless merged) and, under LoRA, the trunk once more (unpacked
+    after the rollout); every other part is the plain sampler's."""
     lora = _settings(prompts=4, new_tokens=3, adapters=10_000, trainable=10_000)
     plain = phase_work(SMOL, replace(lora, rollout_merged=merged))["rollout"]
     packed = phase_work(SMOL, replace(lora, rollout_merged=merged, rollout_packed=True))["rollout"]
     w, hv = SMOL.trunk_weights, SMOL.head_weights
     assert len(packed) == len(plain) + (not merged)  # merged: one part before the rollout does both
     before = plain[0].bytes if merged else 0
-    assert packed[0].flops == 0 and packed[0].bytes - before == (w + hv + 10_000 * (not merged)) * 8
+    assert packed[0].flops == 0 and packed[0].bytes - before == (w + hv + 10_000 * (not merged)) * 8 + w * 8
     assert packed[1:] == plain[merged:]
 
 

@@ -31,7 +31,8 @@ completion, as :class:`~lit_rl.memory.step_prediction.StepShape` reads them):
   text decoding are not counted. A sampler in its own dtype (``StepWork.rollout_dtype``: bfloat16 of float32
   weights) reads weights and cache at that dtype's size, runs at its matmul rate, and first casts the weights once
   (read and written); a merged one (``rollout_merged``) runs no adapter matmul and first writes the merged trunk;
-  a packed one (``rollout_packed``, float32 weights in oneDNN's layout) first copies the weights it reads once.
+  a packed one (``rollout_packed``, float32 weights in oneDNN's layout) first copies the weights it reads once
+  (and under LoRA unpacks the trunk again afterwards).
   A rollout decoded in chunks (``StepWork.rollout_rows``: :func:`~lit_rl.models.sampling.rollout_chunks`) makes
   the prefill and the ``C`` decode steps once per chunk, over its prompts and rows, each step reading every weight.
 - ``reference``: a no-grad forward over the rollout per scoring pass, per micro-batch: ``u*P + b*C`` trunk tokens
@@ -319,7 +320,8 @@ def _sampler(m: ModelShape, s: StepSettings, rb: int) -> list[Work]:
     """What a sampled rollout does once before its first token, its weights ``rb`` bytes each: LoRA merged into a
     copy of the trunk's weights (the base and adapters read, the copy written in the rollout's dtype), the weights
     left to cast to the rollout's dtype (read and written), and a float32 sampler's packed copy of the weights it
-    reads (read and written); the merge's own small matmuls are not counted."""
+    reads (read and written; under LoRA the trunk, which lent its storage, is unpacked again after the rollout, read
+    and written once more, counted here); the merge's own small matmuls are not counted."""
     w, hv, wb = m.trunk_weights, m.head_weights, s.weight_bytes
     merged = s.rollout_merged and s.adapters > 0
     moved = 0
@@ -327,8 +329,8 @@ def _sampler(m: ModelShape, s: StepSettings, rb: int) -> list[Work]:
         moved += (w + s.adapters) * wb + w * rb
     if rb != wb:
         moved += (hv if merged else w + hv) * (wb + rb)
-    elif s.rollout_packed and s.rollout_dtype is None:
-        moved += (w + hv + (0 if merged else s.adapters)) * 2 * rb
+    elif s.rollout_packed and s.rollout_dtype is None:  # under LoRA the frozen trunk is unpacked again afterwards
+        moved += (w + hv + (0 if merged else s.adapters)) * 2 * rb + (w * 2 * rb if s.adapters else 0)
     return [Work(0, moved)] if moved else []
 
 
