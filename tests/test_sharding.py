@@ -51,6 +51,38 @@ def test_the_rollout_gathers_the_policy_once_or_layer_by_layer(mode, mesh):
     assert all(_sharded(m.weight) for m in weights), "sharded again after the rollout"
 
 
+@pytest.mark.parametrize("mode", ["whole", "layers"])
+@pytest.mark.parametrize("kind", ["bf16 autocast", "float32 packed"])
+def test_the_rollouts_cast_once_weights_leave_fsdp2s_storage_alone(mode, kind, mesh):
+    """The decode loop's casts of a sharded policy (:mod:`lit_rl.models.cast_once`): gathered whole, the layers
+    run on casts made once and no frozen weight lends its storage (FSDP2 frees and refills it); gathered layer by
+    layer, the shards are left to FSDP2's own gathering. The logits are those of the per-use casts either way."""
+    from lit_rl.models import float32_weights_packed, linear_weights_cast_once
+
+    model = tiny_model("llama", num_layers=2).requires_grad_(False)
+    shard_model(model, mesh, rollout_gather=mode)
+    ids = torch.randint(3, 50, (2, 5), generator=torch.Generator().manual_seed(0))
+
+    def precision():
+        if kind == "bf16 autocast":
+            return torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False)
+        return float32_weights_packed()
+
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    with torch.no_grad(), gathered(model):
+        with precision():
+            expected = model(input_ids=ids).logits
+        whole = {id(m.weight): m.weight.numel() for m in linears if not _sharded(m.weight)}  # the root keeps its head
+        with precision(), linear_weights_cast_once(model) as held:
+            assert not any(p.numel() == 0 for p in model.parameters())
+            got = model(input_ids=ids).logits
+    assert len(whole) == (len(linears) if mode == "whole" else 1)
+    assert held == sum(whole.values()) * (2 if kind == "bf16 autocast" else 4)  # casts of what is whole only
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    if mode == "whole":  # layer by layer, FSDP2's root keeps its own unsharded after a forward, as without the casts
+        assert all(_sharded(p) for p in model.parameters()), "sharded again after the rollout"
+
+
 def test_an_unknown_rollout_gather_is_refused(mesh):
     with pytest.raises(ValueError, match="rollout_gather: 'all' is not one of auto, whole, layers"):
         shard_model(tiny_model("llama"), mesh, rollout_gather="all")

@@ -6,8 +6,8 @@ trunk, the head spec and the load-time parity check. Also here: the own decode l
 to ``generate`` for a model), the compiled step's compile seconds per shape (:func:`compile_seconds`), a decode
 step's attention with its grouped query heads packed (:func:`packed_sdpa_forward`: what half-precision decoding
 runs on a CPU), the decode loop's weights cast once per rollout (:func:`linear_weights_cast_once`, packed for oneDNN
-where bf16 runs there, and float32 weights packed too within :func:`float32_weights_packed`), and the tiny random models' parts built in memory for tests (:func:`tiny_config`,
-:func:`tiny_tokenizer`).
+where bf16 runs there, and float32 weights packed too within :func:`float32_weights_packed`), and the tiny random
+models' parts built in memory for tests (:func:`tiny_config`, :func:`tiny_tokenizer`).
 """
 
 from lit_rl.models.cache_keyword import cache_keyword, cache_kwargs, output_cache

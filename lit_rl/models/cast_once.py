@@ -36,7 +36,9 @@ already do (the rollout is an incremental decode, the trainer a full forward; bo
 (``bench/results/packed_linear.md``).
 
 Only exact ``nn.Linear`` modules are cast (a LoRA layer's base layer and adapters are; an NF4 layer, a GPT-2
-``Conv1D`` or a module whose ``forward`` someone else has replaced on the instance are not, and stay as they were).
+``Conv1D``, a module whose ``forward`` someone else has replaced on the instance, and a layer whose weight is an
+FSDP2 shard outside its forward (``rollout_gather: layers``) are not, and stay as they were). Under FSDP2 no weight
+lends its storage: FSDP2 frees and refills its unsharded parameters' storage itself.
 """
 
 from __future__ import annotations
@@ -105,6 +107,8 @@ def linear_weights_cast_once(model: torch.nn.Module) -> Iterator[int]:
     casts: dict[int, torch.Tensor] = {}  # id(parameter) -> its cast (packed for oneDNN where that is bitwise F.linear)
     moved: dict[int, torch.nn.Parameter] = {}  # float32 weights whose storage their packed copy replaced
     uses = collections.Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    if _sharded(model):  # FSDP2 owns its unsharded parameters' storage (it frees and refills it): never lent
+        uses.clear()
 
     def cast(tensor: torch.Tensor | None) -> torch.Tensor | None:
         if tensor is None:
@@ -128,8 +132,8 @@ def linear_weights_cast_once(model: torch.nn.Module) -> Iterator[int]:
         for module in model.modules():
             if type(module) is not torch.nn.Linear or "forward" in module.__dict__:
                 continue
-            if module.weight.dtype != torch.float32:
-                continue
+            if module.weight.dtype != torch.float32 or hasattr(module.weight, "to_local"):
+                continue  # a DTensor is a shard that FSDP2 gathers in the layer's forward: a cast of it would not do
             weight, bias = cast(module.weight), cast(module.bias)  # a bias stays a plain cast (one dimension)
             module.forward = _packed_forward(weight, bias) if weight.is_mkldnn else _cast_forward(weight, bias)
             patched.append(module)
@@ -144,6 +148,12 @@ def linear_weights_cast_once(model: torch.nn.Module) -> Iterator[int]:
             parameter.data = packed.to_dense() if packed.is_mkldnn else packed
             del packed
         casts.clear()
+
+
+def _sharded(model: torch.nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
 def _movable(parameter: torch.Tensor, uses: collections.Counter) -> bool:
