@@ -33,7 +33,7 @@ not bitwise: a layer's output differs by float32 rounding (``tests/test_cast_onc
 float64 reference), and the sampler's log-probs differ from the trainer's by about what the exact decode loop's
 already do (the rollout is an incremental decode, the trainer a full forward; both are logged as
 ``rollout/sampler_*``). It is faster on decode steps of a few rows, where ``F.linear`` reads float32 weights slowly
-(``bench/results/packed_linear.md``).
+(``python bench/bench_packed_linear.py --float32``, ``bench/results/packed_linear_float32.md``).
 
 Only exact ``nn.Linear`` modules are cast (a LoRA layer's base layer and adapters are; an NF4 layer, a GPT-2
 ``Conv1D``, a module whose ``forward`` someone else has replaced on the instance, and a layer whose weight is an
