@@ -162,6 +162,21 @@ def test_two_sharded_processes_train_what_one_process_trains(case, tmp_path):
     assert moved > 1e-3 and params <= weight_tolerance * moved
 
 
+def test_a_bf16_mixed_rollout_gathered_layer_by_layer_trains_what_one_process_trains(tmp_path):
+    """``rollout_gather: layers`` under bf16-mixed: outside its forward each layer's weight is a shard, which the
+    decode loop's casts made once must leave to FSDP2's gathering (lit_rl/models/cast_once.py; this run failed
+    with a DTensor error before)."""
+    extra = [*LORA, "--trainer.precision", "bf16-mixed"]
+    layers = {"class_path": "lit_rl.strategies.FSDP2Strategy", "init_args": {"rollout_gather": "layers"}}
+    one = _fit(METHODS["grpo"], tmp_path / "one", processes=1, batch_size=4, extra=extra)
+    two = _fit(METHODS["grpo"], tmp_path / "two", processes=2, batch_size=2, extra=extra, strategy=layers)
+    scale = max(float(g.abs().max()) for g in one["grads"].values())
+    grads, params = _max_difference(one["grads"], two["grads"]), _max_difference(one["params"], two["params"])
+    moved = _max_difference(one["start"], one["params"])
+    assert scale > 0 and moved > 1e-3
+    assert grads <= BF16_ROUNDING[0] * scale and params <= BF16_ROUNDING[1] * moved
+
+
 def test_the_comparison_fails_when_the_processes_sum_their_gradients(tmp_path):
     """The negative control: a reduction that sums instead of averaging (as a wrong gloo AVG would scale them) is
     caught by the first-step gradients, and by the weights (plain SGD is linear in the gradients)."""
