@@ -75,8 +75,9 @@ def context(args):
 
 def agreement(layer, x, packed: torch.Tensor, plain: torch.Tensor, float32: bool) -> str:
     """``yes`` where the two outputs are equal; in float32 also each side's largest error against float64."""
-    if torch.equal(packed, plain) or not float32:
-        return "yes" if torch.equal(packed, plain) else "no"
+    same = torch.equal(packed, plain)
+    if same or not float32:
+        return "yes" if same else "no"
     exact = F.linear(x.double(), layer.weight.double())
     errors = [f"{(y.double() - exact).abs().max().item():.1e}" for y in (plain, packed)]
     return f"no: F.linear {errors[0]}, packed {errors[1]}"
@@ -85,7 +86,7 @@ def agreement(layer, x, packed: torch.Tensor, plain: torch.Tensor, float32: bool
 def measure(args) -> list[list[str]]:
     rows, generator = [], torch.Generator().manual_seed(0)
     shapes = dict(list(SHAPES.items())[:2]) if args.quick else SHAPES
-    dtype = torch.float32 if args.float32 else torch.bfloat16
+    dtype = weight_dtype(args)
     for n in args.rows:
         step = {"cast": 0.0, "packed": 0.0}
         for name, (out_features, in_features, uses) in shapes.items():
@@ -125,7 +126,7 @@ def packed_bytes(args, packs: bool) -> list[str]:
     if not packs or args.quick:
         return []
     lines, libc = [], ctypes.CDLL(None)  # glibc (Linux, as resident_bytes)
-    dtype = torch.float32 if args.float32 else torch.bfloat16
+    dtype = weight_dtype(args)
     for name in ("gate, up", "head"):
         out_features, in_features, _ = SHAPES[name]
         cast = torch.randn(out_features, in_features).to(dtype)
@@ -139,6 +140,11 @@ def packed_bytes(args, packs: bool) -> list[str]:
         lines.append(f"- {name} ({out_features}x{in_features}): {added / 1e6:.2f} MB resident per packed copy "
                      f"({held} held), {cast.numel() * dtype.itemsize / 1e6:.2f} MB dense {kind(args)}.")  # fmt: skip
     return lines
+
+
+def weight_dtype(args) -> torch.dtype:
+    """The dtype the layers' weights are read in: float32 (``--float32``) or their bf16 casts."""
+    return torch.float32 if args.float32 else torch.bfloat16
 
 
 def kind(args) -> str:

@@ -106,23 +106,24 @@ def linear_weights_cast_once(model: torch.nn.Module) -> Iterator[int]:
         return
     casts: dict[int, torch.Tensor] = {}  # id(parameter) -> its cast (packed for oneDNN where that is bitwise F.linear)
     moved: dict[int, torch.nn.Parameter] = {}  # float32 weights whose storage their packed copy replaced
-    uses = collections.Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
-    if _sharded(model):  # FSDP2 owns its unsharded parameters' storage (it frees and refills it): never lent
-        uses.clear()
+    uses: collections.Counter = collections.Counter()  # how many modules read each parameter (float32 packing only)
+    if dtype == torch.float32 and not _sharded(model):  # FSDP2 frees and refills its parameters' storage: never lent
+        uses.update(id(p) for _, p in model.named_parameters(remove_duplicate=False))
 
     def cast(tensor: torch.Tensor | None) -> torch.Tensor | None:
         if tensor is None:
             return None
         if id(tensor) not in casts:  # tied weights (an LM head) are cast once
             copy = tensor.detach().to(dtype)
+            itself = copy.dtype == tensor.dtype  # a float32 "cast" is the parameter itself
+            if itself and copy.dim() == 1:
+                return copy  # a bias stays as it is: nothing held
             if _packs(copy):
                 copy = torch.ops.mkldnn._reorder_linear_weight(copy)
-            elif copy.dtype == tensor.dtype:  # a float32 "cast" is the parameter itself
-                if copy.dim() == 1:
-                    return copy  # a bias stays as it is: nothing held
+            elif itself:
                 copy = copy.clone()  # a fake weight: the packed copy's bytes
             casts[id(tensor)] = copy
-            if copy.dtype == tensor.dtype and _movable(tensor, uses):
+            if itself and _movable(tensor, uses):
                 tensor.data = tensor.new_empty(0)  # the packed copy stands in for it until the rollout ends
                 moved[id(tensor)] = tensor
         return casts[id(tensor)]
