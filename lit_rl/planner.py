@@ -26,10 +26,11 @@ config's until one fits without checkpointing, or until halving lowers the peak 
 the peak is weights, gradients and optimizer state, which no micro-batch changes); each size that fits only with
 checkpointing is a candidate at its least checkpointing. A candidate whose roofline floor (computed before its
 estimate, from the config's) is above that of one that fits already is not estimated, nor are the smaller
-micro-batches after it, nor, once a modelled one fits, one the roofline does not model (a 4-bit base, searched
-last), which ranks after it. The fastest candidate by the roofline's floor wins (where the roofline does not model the
-step, a 4-bit base or a method whose phases it does not know, the fewest passes and least recompute win instead,
-and the table says so). The plan is written as a config fragment for ``lit-rl fit --config C --config plan.yaml``,
+micro-batches after it, nor, once a modelled one fits, one the roofline does not model, which ranks after it. A
+4-bit base is searched last: decoding its weights in every pass makes it the slowest by the floor
+(:mod:`lit_rl.memory.work`), so the others' bound skips it most often. The fastest candidate by the roofline's floor
+wins (where the roofline does not model the step, a method whose phases it does not know, the fewest passes and
+least recompute win instead, and the table says so). The plan is written as a config fragment for ``lit-rl fit --config C --config plan.yaml``,
 headed by the config it was made for, which the fit checks (:func:`plan_header` / :func:`check_plan_files`).
 """
 
@@ -51,7 +52,7 @@ from lit_rl.memory.machine_rates import load_rates, measure_rates
 from lit_rl.memory.rollout import rollout_shape
 from lit_rl.memory.units import format_bytes
 from lit_rl.memory.work import ModelShape, StepSettings, floor, floor_rates, phase_work
-from lit_rl.models import checkpointing_refused, keeps_bf16_updates, own_recomputation
+from lit_rl.models import checkpointing_refused, keeps_bf16_updates, nf4_bytes_per_param, own_recomputation
 from lit_rl.models.sampling import rollout_chunks
 
 #: tactics that change the numbers a step computes, searched only when ``--allow`` names them
@@ -144,7 +145,7 @@ def plan(
         own = {}  # the config already recomputes
     nearest = _rounds_bf16_to_nearest(module)  # then bf16 comes only beside adamw8bit: most small updates lost
     combos = [c for n in range(len(choices) + 1) for c in itertools.combinations(choices, n)]
-    for combo in sorted(combos, key=lambda c: "nf4" in c):  # the roofline's unmodelled 4-bit base last: it ranks last
+    for combo in sorted(combos, key=lambda c: "nf4" in c):  # the 4-bit base last: the slowest by the floor
         if "bf16" in combo and ("reference_bf16" in combo or (nearest and "adamw8bit" not in combo)):
             continue  # bf16 weights' reference copy is bf16 already; (nearest) most small updates lost
         changes = _changes(combo, settings)
@@ -319,8 +320,6 @@ def _with_overrides(module, overrides: dict[str, Any]):
 def _floor(method, s: dict[str, Any], trainable: int, rates: dict[str, Any]) -> float | None:
     """The floor of ``method``'s step (a candidate's copy) with the estimate settings ``s`` and ``trainable`` trained
     weights."""
-    if s["hparams"].get("quantize_base", "none") != "none":  # the estimate's hparams hold the overrides too
-        return None  # the 4-bit base's dequantization is not modelled
     try:
         shape = ModelShape.from_config(s["config"])
     except ValueError:
@@ -341,6 +340,7 @@ def _floor(method, s: dict[str, Any], trainable: int, rates: dict[str, Any]) -> 
         weight_bytes=weight_bytes,
         cache_bytes=2 if half else 4,
         checkpointed_layers=checkpointed_layers(shape.layers, s["activation_checkpointing"]),
+        base_nf4=nf4_bytes_per_param() if s["hparams"].get("quantize_base") == "nf4" else 0.0,  # overrides included
     )
     dtype = "bfloat16" if half else "float32"
     dtype = dtype if dtype in rates["dtypes"] else next(iter(rates["dtypes"]))

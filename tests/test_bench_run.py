@@ -124,7 +124,7 @@ def test_the_roofline_floor_divides_both_sides(tmp_path):
     (tmp_path / "version_0" / "memory_summary.json").write_text(json.dumps(summary))
     assert vs_trl.step_floor(tmp_path) == 0.75
     assert vs_trl.step_floor(tmp_path / "version_0" / "none") is None
-    skipped = {"roofline": {"skipped": "not modelled: a 4-bit base"}}
+    skipped = {"roofline": {"skipped": "not modelled: the batch is not a prompt batch"}}
     (tmp_path / "version_0" / "memory_summary.json").write_text(json.dumps(skipped))
     assert vs_trl.step_floor(tmp_path) is None
 

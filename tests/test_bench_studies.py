@@ -69,15 +69,15 @@ def _checkpointing(column: dict[str, tuple[str, ...]], arms: list[str], text: st
 
 def _roofline(column: dict[str, tuple[str, ...]], arms: list[str], text: str) -> None:
     """Each run's phases sum to a measured step with a floor below it; a phase table per run, the rates table."""
-    assert arms == ["default", "lora256", "gumbel_topk"]
+    assert arms == ["default", "lora256", "qlora256", "gumbel_topk"]  # a 4-bit base modelled too
     assert all(float(s) > float(f) > 0 for s, f in zip(column["measured step s"], column["floor s"])), column
-    assert text.count("| phase | measured s |") == 3 and "| bfloat16 | " in text
+    assert text.count("| phase | measured s |") == 4 and "| bfloat16 | " in text
     for phase in ("rollout", "reference", "policy_forward"):
-        assert text.count(f"| {phase} | ") == 2, phase
+        assert text.count(f"| {phase} | ") == 3, phase
     for phase in ("generate", "reward"):  # GumbelTopK's differentiable rollout, modelled too
         assert text.count(f"| {phase} | ") == 1, phase
     for phase in ("backward", "optimizer"):
-        assert text.count(f"| {phase} | ") == 3, phase
+        assert text.count(f"| {phase} | ") == 4, phase
 
 
 def _qlora(column: dict[str, tuple[str, ...]], arms: list[str], text: str) -> None:

@@ -22,6 +22,7 @@ from lit_rl.planner import (
     describe,
     plan,
     plan_fragment,
+    plan_table,
     unreachable_line,
 )
 
@@ -158,16 +159,23 @@ def test_bf16_under_an_optimizer_that_rounds_to_nearest_is_searched_only_beside_
     assert ("adamw8bit", "bf16") in {c.allowed for c in found} and ("bf16",) not in {c.allowed for c in found}
 
 
-def test_a_4_bit_base_is_searched_only_while_no_modelled_candidate_fits():
-    # the roofline does not time the 4-bit base's dequantization, so its candidates rank after every timed one that
-    # fits (planner._order): once one fits, the 4-bit combinations, searched last, are not estimated at all
+def test_a_4_bit_base_is_timed_with_its_decoding_and_searched_last():
+    # the roofline times the 4-bit base's decoding (codes read, the dense weight written and read in every pass), so
+    # a 4-bit candidate is slower than the same setting dense; searched last, it is pruned by the floor of a dense
+    # candidate that fits, without an estimate
     lora = RefCachedGRPO(name_or_path="tiny:llama", num_generations=4, max_new_tokens=16, lora=LoraSettings(r=4))
     bf16 = _candidate(lora, RATES, SHAPE, {"precision": "bf16-true"}, ("bf16",))
-    best, found, base = plan(lora, bf16.peak, allow=("bf16", "nf4"), rates=RATES, **SHAPE)
+    both = _candidate(lora, RATES, SHAPE, {"precision": "bf16-true", "quantize_base": "nf4"}, ("bf16", "nf4"))
+    assert both.peak < bf16.peak and both.seconds >= bf16.seconds  # at RATES the tiny step is compute-bound
+    slow = {**RATES, "bandwidth_bytes_per_s": 1e8}  # memory-bound: the decoding's bytes show
+    both_slow = _candidate(lora, slow, SHAPE, {"precision": "bf16-true", "quantize_base": "nf4"}, ("bf16", "nf4"))
+    assert both_slow.seconds > _candidate(lora, slow, SHAPE, {"precision": "bf16-true"}, ("bf16",)).seconds
+    best, found, base = plan(lora, bf16.peak, allow=("bf16", "nf4"), rates=slow, **SHAPE)
     assert base.peak > bf16.peak and best.seconds is not None and "bf16" in best.allowed
     assert not any("nf4" in c.allowed for c in found)
     best, found, _ = plan(lora, 1024, allow=("bf16", "nf4"), rates=RATES, **SHAPE)  # nothing fits: all searched
     assert best is None and {("nf4",), ("bf16", "nf4")} <= {c.allowed for c in found}
+    assert all(c.seconds is not None for c in found) and " n/m " not in plan_table(best, found, base, 1024)
     assert min(found, key=lambda c: c.peak).allowed == ("bf16", "nf4")  # the smallest peak the refusal names
 
 

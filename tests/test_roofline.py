@@ -8,12 +8,14 @@ formula registered for the CPU kernel); bytes against the models' own parameters
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, replace
 
 import lightning as L
 import pytest
 import torch
 from torch.utils import flop_counter
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import AutoModelForCausalLM, DynamicCache
 
@@ -313,6 +315,62 @@ def test_a_packed_float32_sampler_copies_the_weights_it_reads_once_and_reads_the
     assert packed[1:] == plain[merged:]
 
 
+class _Decoded(TorchDispatchMode):
+    """Bytes of the dense weights bitsandbytes decodes from 4-bit codes: its ``dequantize_4bit`` outputs (the
+    backward), and the weights of its ``gemm_4bit`` (the forward), whose CPU kernel decodes the whole weight in the
+    input's dtype before a dense matmul (``_gemm_4bit_default_impl`` in bitsandbytes' ``backends/default/ops.py``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.name() if func.namespace == "bitsandbytes" else ""
+        if name.startswith("bitsandbytes::dequantize_4bit"):
+            self.bytes += out.numel() * out.element_size()
+        elif name.startswith("bitsandbytes::gemm_4bit"):
+            self.bytes += math.prod(args[2]) * args[0].element_size()  # (A, B, shapeB, ...)
+        return out
+
+
+def test_a_4bit_base_reads_its_codes_and_writes_and_reads_its_decoding_in_every_pass():
+    """Against a real NF4 model: its stored bytes per weight set ``base_nf4``, and every pass that reads the trunk
+    (a training forward and its backward, counted by the ops bitsandbytes runs) decodes every trunk weight once at the
+    training dtype. The roofline counts those bytes written and read again on top of the codes, in every part that
+    reads the trunk, and leaves FLOPs, the head and the adapters as they are."""
+    pytest.importorskip("bitsandbytes")
+    from lit_rl.models.quantize import nf4_memory, quantize_base_nf4
+
+    model = quantize_base_nf4(_model("llama"))
+    shape = ModelShape.from_config(model.config)
+    weights, stored, _ = nf4_memory(model)
+    assert weights == shape.trunk_weights
+    embeds = model.get_input_embeddings()(torch.randint(3, 96, (2, 9))).detach().requires_grad_()
+    with _Decoded() as forward:
+        loss = trunk(model)(inputs_embeds=embeds).last_hidden_state.sum()
+    with _Decoded() as backward:
+        loss.backward()
+    assert forward.bytes == backward.bytes == shape.trunk_weights * 4  # one dense float32 decoding per pass
+
+    q, w = stored / weights, shape.trunk_weights
+    lora = _settings(prompts=4, new_tokens=3, adapters=10_000, trainable=10_000, micro_batch=2)
+    for sampler in ({}, {"rollout_dtype": "bfloat16", "rollout_merged": True}, {"rollout_packed": True}):
+        dense = phase_work(SMOL, replace(lora, **sampler))
+        nf4 = phase_work(SMOL, replace(lora, base_nf4=q, **sampler))
+        w, hv, rb = SMOL.trunk_weights, SMOL.head_weights, 2 if sampler.get("rollout_dtype") else 4
+        for name in ("reference", "policy_forward", "backward"):
+            for x, y in zip(dense[name], nf4[name], strict=True):
+                assert (y.flops, y.bytes - x.bytes) == (x.flops, pytest.approx(w * (q + 4))), name
+        # the last decode step: the trunk decoded at float32 whatever the sampler's dtype, the adapters (a 4-bit
+        # trunk is not merged: they keep running) and head at the sampler's, the cache of 4 rows over 11 + 1 keys
+        last, cache = nf4["rollout"][-1], SMOL.cache_values_per_token * rb * 4 * 12
+        assert last.bytes == pytest.approx(w * (q + 8) + (10_000 + hv) * rb + cache)
+        assert last.flops == phase_work(SMOL, lora)["rollout"][-1].flops
+        before = [x for x in nf4["rollout"] if not x.flops]  # the sampler's once-per-rollout pass: head and adapters
+        assert sum(x.bytes for x in before) == (hv * 6 if rb == 2 else (hv + 10_000) * 8 if sampler else 0)
+
+
 def test_grpo_declares_its_sampler_for_the_roofline():
     lora = LoraSettings(r=4, alpha=8, target_modules="all-linear")
     method = RefCachedGRPO(name_or_path="tiny:llama", lora=lora, rollout_dtype="bfloat16", rollout_lora="merged")
@@ -440,6 +498,29 @@ def test_profiler_summary_puts_each_phase_time_beside_its_floor(tmp_path, lightn
     save_rates({**rates, "device": "cuda"}, path)
     _, other = _fit(tmp_path / "cuda", str(path))
     assert "cuda rates" in other["skipped"] and "trains on cpu" in other["skipped"]
+
+
+def test_profiler_times_a_4bit_base_beside_a_floor_with_its_decoding(tmp_path):
+    """A QLoRA fit gets a roofline, not "not modelled": its settings carry the model's own NF4 bytes per weight, and
+    each phase that reads the trunk has a floor above the same fit's work on a dense trunk."""
+    pytest.importorskip("bitsandbytes")
+    from lit_rl.models import nf4_memory
+
+    rates = {"device": "cpu", "bandwidth_bytes_per_s": 1e9,
+             "dtypes": {"float32": {"matmul_flops_per_s": 1e9, "skinny_matmul_flops_per_s": 5e8}}}  # fmt: skip
+    path = save_rates(rates, tmp_path / "rates.json")
+    lora = LoraSettings(r=4, alpha=8, target_modules="all-linear")
+    method = RefCachedGRPO(name_or_path="tiny:llama", num_generations=2, max_new_tokens=4, lora=lora,
+                           quantize_base="nf4")  # fmt: skip
+    method, roofline = _fit(tmp_path, str(path), method)
+    weights, stored, _ = nf4_memory(method.policy)
+    assert "skipped" not in roofline and roofline["settings"]["base_nf4"] == pytest.approx(stored / weights)
+    steps = [{"times": s["times"], "settings": replace(StepSettings(**s["settings"]), base_nf4=0.0)}
+             for s in roofline["per_step"]]  # fmt: skip
+    names = tuple(roofline["phases"])
+    dense = phase_table(ModelShape.from_config(method.policy.config), steps, names, rates, "float32")
+    for name in ("rollout", "reference", "policy_forward", "backward"):
+        assert roofline["phases"][name]["bytes"] > dense[name]["bytes"] > 0, name
 
 
 def test_rates_command_writes_a_file_the_profiler_reads(tmp_path, capsys):

@@ -15,7 +15,7 @@ Precision: the matmul rate of the dtype the matmuls run in (bfloat16 or float16 
 precision, else the weights' dtype); weights, gradients and optimizer state at the weights' size (float32 master
 weights under mixed precision), the KV cache at the compute dtype's.
 
-Not modelled, and reported as such: phases the work counts do not name, mixture-of-experts layers, a 4-bit base.
+Not modelled, and reported as such: phases the work counts do not name, mixture-of-experts layers.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from lit_rl.memory.phases import BACKWARD
 from lit_rl.memory.rollout import rollout_shape, step_work
 from lit_rl.memory.step_prediction import step_shape
 from lit_rl.memory.work import ModelShape, StepSettings, floor, floor_rates, phase_work
-from lit_rl.models import base_model
+from lit_rl.models import base_model, nf4_memory
 
 MEASURE = "measure"
 _PRECISION_DTYPE = {"bf16": "bfloat16", "16": "float16"}  # mixed and true half precision compute in these
@@ -47,8 +47,7 @@ _PRECISION_DTYPE = {"bf16": "bfloat16", "16": "float16"}  # mixed and true half 
 def _run_settings(trainer, module) -> tuple[ModelShape, StepSettings, str]:
     """The model's shape, the settings every step of this run shares (lengths come per step), the compute dtype."""
     policy = module.policy
-    if any(p.dtype == torch.uint8 for p in policy.parameters()):
-        raise ValueError("a 4-bit base is not modelled")
+    quantized, quantized_bytes, _ = nf4_memory(policy)  # a 4-bit base: its bytes per weight, scales included
     shape = ModelShape.from_config(base_model(policy).config)
     params = [p for p in policy.parameters() if p.is_floating_point()]
     trainable = sum(p.numel() for p in params if p.requires_grad)
@@ -69,6 +68,7 @@ def _run_settings(trainer, module) -> tuple[ModelShape, StepSettings, str]:
         weight_bytes=weight.element_size(),
         cache_bytes=getattr(torch, dtype).itemsize,
         checkpointed_layers=len(range(0, shape.layers, every)) if every else 0,
+        base_nf4=quantized_bytes / quantized if quantized else 0.0,
     )
     return shape, base, dtype
 

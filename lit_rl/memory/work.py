@@ -80,8 +80,17 @@ the first differentiated token (``max(C - grad_window, 0)``, else 0):
   again, and under full fine-tuning each step's weight gradients added into the sums (read and written).
 - ``optimizer``: as for a sampled step.
 
+**A 4-bit base** (``StepSettings.base_nf4``: bytes per stored weight, codes and scales, from
+:func:`~lit_rl.models.quantize.nf4_bytes_per_param`): every pass that reads the trunk's weights (each decode step,
+each micro-batch's forward, the backward and its recomputation, a scorer's) reads the 4-bit codes and scales, writes
+the dense weight at the training dtype's size and reads it again for the matmul (bitsandbytes decodes one layer at a
+time into a temporary, ``lit_rl/models/quantize.py``): ``base_nf4 + 2 * weight_bytes`` per trunk weight instead of
+``weight_bytes``. The decoding's arithmetic is not counted. A sampler's merge, cast and packing leave the 4-bit
+layers alone (their adapters keep running; only the head and adapters are cast or packed), and the rollout decodes
+them at the training dtype (their matmuls are counted at the rollout's rate).
+
 Not modelled (the roofline reports such phases as not modelled): phases of other names, mixture-of-experts layers,
-a 4-bit base, reward functions and text decoding.
+reward functions and text decoding.
 """
 
 from __future__ import annotations
@@ -193,6 +202,7 @@ class StepSettings:
     rollout_merged: bool = False
     rollout_packed: bool = False  # float32 weights copied into oneDNN's layout once per rollout
     rollout_rows: int | None = None  # completions decoded together; None: all B * G
+    base_nf4: float = 0.0  # bytes per weight of a 4-bit (NF4) frozen trunk, scales included; 0: a dense trunk
     # the rollout's completion tokens that count (padding-free passes run only these; None: every row at new_tokens)
     completion_tokens: int | None = None
 
@@ -204,7 +214,7 @@ class StepSettings:
     def of(cls, work: StepWork, *, trainable: int, **shapes: Any) -> StepSettings:
         """The settings of a step whose passes ``work`` declares (:func:`~lit_rl.memory.rollout.step_work`), at
         ``shapes``: the other fields (``prompts``, ``generations``, lengths, ``micro_batch``, byte sizes,
-        ``checkpointed_layers``). The one constructor the profiler's roofline and the planner share.
+        ``checkpointed_layers``, ``base_nf4``). The one constructor the profiler's roofline and the planner share.
 
         Raises:
             ValueError: a differentiable rollout's scorer whose config :class:`ModelShape` cannot read.
@@ -268,11 +278,13 @@ def phase_work(m: ModelShape, s: StepSettings) -> dict[str, list[Work]]:
     if s.soft_topk:
         return _differentiable_work(m, s)
     wb, w, a, hv = s.weight_bytes, m.trunk_weights, s.adapters, m.head_weights
+    tb = _trunk_bytes(s)  # per trunk weight and pass
     kv = m.cache_values_per_token * s.cache_bytes  # bytes per cached token
     rd = s.rollout_dtype
     rb = ITEMSIZE[rd] if rd else wb  # the rollout's weights, in its own dtype when it has one
+    rtb = tb if s.base_nf4 else rb  # a 4-bit trunk is decoded at the training dtype, whatever the rollout's
     rollout = _sampler(m, s, rb)
-    ra, rkv = (0 if s.rollout_merged else a), (m.cache_values_per_token * rb if rd else kv)
+    ra, rkv = (0 if _merged(s) else a), (m.cache_values_per_token * rb if rd else kv)
     p = s.prompt_length - 1
     for _, prompts, repeats in rollout_chunks(s.prompts, s.generations, s.rollout_rows):
         rows = prompts * repeats
@@ -280,15 +292,16 @@ def phase_work(m: ModelShape, s: StepSettings) -> dict[str, list[Work]]:
         if p > 0:
             tokens = prefill_rows * p
             flops = 2 * tokens * (w + ra) + m.attention_flops(prefill_rows * p * p)
-            rollout.append(Work(flops, (w + ra) * rb + tokens * rkv, dtype=rd))
+            rollout.append(Work(flops, w * rtb + ra * rb + tokens * rkv, dtype=rd))
         for j in range(1, s.new_tokens + 1):
             keys = s.prompt_length + j - 1
             flops = 2 * rows * (w + ra + hv) + m.attention_flops(rows * keys)
-            rollout.append(Work(flops, (w + ra + hv) * rb + rows * keys * rkv + rows * rkv, decode=True, dtype=rd))
+            moved = w * rtb + (ra + hv) * rb + rows * keys * rkv + rows * rkv
+            rollout.append(Work(flops, moved, decode=True, dtype=rd))
 
     def forward(tokens: float, pairs: int, head_tokens: float, adapters: int) -> Work:
         flops = 2 * tokens * (w + adapters) + m.attention_flops(pairs) + 2 * head_tokens * hv
-        return Work(flops, (w + adapters + hv) * wb)
+        return Work(flops, w * tb + (adapters + hv) * wb)
 
     micro = _micro_batches(s)
     reference = [forward(t, q, h, 0) for _ in range(s.reference_passes) for h, t, q in micro]
@@ -298,14 +311,15 @@ def phase_work(m: ModelShape, s: StepSettings) -> dict[str, list[Work]]:
     # under LoRA that projection runs before its adapter, whose input is needed, so only the last adapter is skipped
     share = s.checkpointed_layers / m.layers
     skipped = 0 if a else m.hidden * m.intermediate
-    redo = s.checkpointed_layers * (w // m.layers - skipped) + share * a  # weights the recomputation multiplies by
+    redo_w = s.checkpointed_layers * (w // m.layers - skipped)  # trunk weights the recomputation multiplies by
+    redo = redo_w + share * a
     backward = []
     for i, (h, t, q) in enumerate(micro):
         trunk, adapt, attn, head = 2 * t * w, 2 * t * a, m.attention_flops(q), 2 * h * hv
         flops = (trunk + 2 * adapt + 2 * attn + 2 * head) if a else (2 * trunk + 2 * attn + 3 * head)
         flops += 2 * t * redo + share * attn
         grads = s.trainable * wb * (1 if i == 0 else 2)
-        backward.append(Work(flops, (w + a + redo + hv) * wb + grads))
+        backward.append(Work(flops, (w + redo_w) * tb + (a + share * a + hv) * wb + grads))
     optimizer = [_optimizer(s)]
     return {
         "rollout": rollout,
@@ -322,8 +336,8 @@ def _sampler(m: ModelShape, s: StepSettings, rb: int) -> list[Work]:
     left to cast to the rollout's dtype (read and written), and a float32 sampler's packed copy of the weights it
     reads (read and written; under LoRA the trunk, which lent its storage, is unpacked again after the rollout, read
     and written once more, counted here); the merge's own small matmuls are not counted."""
-    w, hv, wb = m.trunk_weights, m.head_weights, s.weight_bytes
-    merged = s.rollout_merged and s.adapters > 0
+    w, hv, wb = (0 if s.base_nf4 else m.trunk_weights), m.head_weights, s.weight_bytes  # a 4-bit trunk: left alone
+    merged = _merged(s) and s.adapters > 0
     moved = 0
     if merged:
         moved += (w + s.adapters) * wb + w * rb
@@ -334,13 +348,24 @@ def _sampler(m: ModelShape, s: StepSettings, rb: int) -> list[Work]:
     return [Work(0, moved)] if moved else []
 
 
+def _merged(s: StepSettings) -> bool:
+    """LoRA merged into the weights the sampler reads: none of a 4-bit trunk's (its adapters keep running)."""
+    return s.rollout_merged and not s.base_nf4
+
+
+def _trunk_bytes(s: StepSettings) -> float:
+    """Bytes moved per trunk weight by a pass that reads it: the weight, or a 4-bit one's codes and scales read and
+    its dense decoding written and read at the training dtype."""
+    return s.base_nf4 + 2 * s.weight_bytes if s.base_nf4 else s.weight_bytes
+
+
 def _optimizer(s: StepSettings) -> Work:
     return Work(0, s.trainable * s.weight_bytes * (7 + 1 + (3 if s.clip else 0)))
 
 
 def _differentiable_work(m: ModelShape, s: StepSettings) -> dict[str, list[Work]]:
     """``generate``, ``reward``, ``backward`` and ``optimizer`` of a differentiable rollout (module docstring)."""
-    wb, w, a, hv = s.weight_bytes, m.trunk_weights, s.adapters, m.head_weights
+    wb, w, a, hv, tb = s.weight_bytes, m.trunk_weights, s.adapters, m.head_weights, _trunk_bytes(s)
     kv = m.cache_values_per_token * s.cache_bytes  # bytes per cached token
     p, c, ref = s.prompt_length, s.new_tokens, s.reference_passes > 0
     first = max(c - s.grad_window, 0) if s.grad_window is not None else 0
@@ -352,20 +377,20 @@ def _differentiable_work(m: ModelShape, s: StepSettings) -> dict[str, list[Work]
         sides = 2 if ref else 1  # the policy, and the reference beside it
         prefill = 2 * b * p * (w + a) + m.attention_flops(b * p * p)
         generate.append(
-            Work(prefill + (prefill - 2 * b * p * a if ref else 0), (sides * w + a) * wb + sides * b * p * kv)
+            Work(prefill + (prefill - 2 * b * p * a if ref else 0), sides * w * tb + a * wb + sides * b * p * kv)
         )
         for j in range(c):  # token j: the heads; then the trunk step that feeds it back (none after the last)
             flops, moved = 2 * b * hv * sides, hv * wb * sides
             if j + 1 < c:
                 keys = p + j + 1
                 flops += sides * (2 * b * w + m.attention_flops(b * keys)) + 2 * b * a
-                moved += (sides * w + a) * wb + sides * b * keys * kv + b * s.soft_topk * m.hidden * wb
+                moved += sides * w * tb + a * wb + sides * b * keys * kv + b * s.soft_topk * m.hidden * wb
             generate.append(Work(flops, moved, decode=True))
         if s.scorer is not None:
             t, ws = b * (p + c), s.scorer.trunk_weights
             attention = s.scorer.attention_flops(b * (p + c) * (p + c))
-            reward.append(Work(2 * t * ws + attention, ws * wb + b * c * s.soft_topk * s.scorer.hidden * wb))
-            backward.append(Work(2 * t * ws + 2 * attention, ws * wb))
+            reward.append(Work(2 * t * ws + attention, ws * tb + b * c * s.soft_topk * s.scorer.hidden * wb))
+            backward.append(Work(2 * t * ws + 2 * attention, ws * tb))
         # the heads of each differentiated token: sampling (input and, when the head trains, weight gradient) and
         # the KL (both logits again, then the same gradients); under full fine-tuning the weight gradients are added
         # into one sum (read and written)
@@ -390,7 +415,7 @@ def _trunk_backward(m: ModelShape, s: StepSettings, tokens: int, pairs: int, rec
     if recompute:
         flops += matmul + 2 * tokens * a + m.attention_flops(pairs)
     grads = 0 if a else 2 * s.trainable * wb
-    return Work(flops, (w + a) * wb * (2 if recompute else 1) + grads, decode=True)
+    return Work(flops, (w * _trunk_bytes(s) + a * wb) * (2 if recompute else 1) + grads, decode=True)
 
 
 def floor(

@@ -54,7 +54,7 @@ from lit_rl.models.optimizers import (
     keeps_bf16_updates,
     optimizer_class,
 )
-from lit_rl.models.quantize import nf4_memory, quantize_base_nf4
+from lit_rl.models.quantize import nf4_bytes_per_param, nf4_memory, quantize_base_nf4
 from lit_rl.models.reward import (
     forward_soft_embeds,
     forward_soft_sparse,
@@ -109,6 +109,7 @@ __all__ = [
     "load_reward_model",
     "load_tokenizer",
     "meta_config",
+    "nf4_bytes_per_param",
     "nf4_memory",
     "output_cache",
     "own_recomputation",
