@@ -19,19 +19,18 @@ floor at the machine's measured rates, or a rates file's). The tactics:
   to nearest (losing each update below half a weight's bf16 spacing: most at a learning rate of 1e-5), ``bf16``
   comes only beside ``adamw8bit``; the default optimizer and the 8-bit step round stochastically.
 
-For every allowed combination of the changed-arithmetic tactics that does not fit at the config's micro-batch even
-with every layer checkpointed, its leanest setting (micro-batches of one row, every layer checkpointed) is estimated
-next; if even that does not fit, the combination is skipped. Otherwise micro-batches shrink by halves from the
-config's until one fits without checkpointing, or until halving lowers the peak by less than 1% of the budget (then
-the peak is weights, gradients and optimizer state, which no micro-batch changes); each size that fits only with
-checkpointing is a candidate at its least checkpointing. A candidate whose roofline floor (computed before its
-estimate, from the config's) is above that of one that fits already is not estimated, nor are the smaller
-micro-batches after it, nor, once a modelled one fits, one the roofline does not model, which ranks after it. A
-4-bit base is searched last: decoding its weights in every pass makes it the slowest by the floor
-(:mod:`lit_rl.memory.work`), so the others' bound skips it most often. The fastest candidate by the roofline's floor
-wins (where the roofline does not model the step, a method whose phases it does not know, the fewest passes and
-least recompute win instead, and the table says so). The plan is written as a config fragment for ``lit-rl fit --config C --config plan.yaml``,
-headed by the config it was made for, which the fit checks (:func:`plan_header` / :func:`check_plan_files`).
+For every allowed combination of the changed-arithmetic tactics that does not fit at the config's micro-batch even with
+every layer checkpointed, its leanest setting (micro-batches of one row, every layer checkpointed) is estimated next; if
+even that does not fit, the combination is skipped. Otherwise micro-batches shrink by halves from the config's until one
+fits without checkpointing, or until halving lowers the peak by less than 1% of the budget (then the peak is weights,
+gradients and optimizer state, which no micro-batch changes); each size that fits only with checkpointing is a candidate
+at its least checkpointing. A candidate whose roofline floor (computed before its estimate, from the config's) is above
+that of one that fits already is not estimated, nor are the smaller micro-batches after it, nor, once a modelled one
+fits, one the roofline does not model, which ranks after it. A 4-bit base, the slowest by the floor (it decodes its
+weights in every pass), is searched last. The fastest candidate by the roofline's floor wins (where the roofline does
+not model the step, a method whose phases it does not know, the fewest passes and least recompute win instead, and the
+table says so). The plan is written as a config fragment for ``lit-rl fit --config C --config plan.yaml``, headed by the
+config it was made for, which the fit checks (:func:`plan_header` / :func:`check_plan_files`).
 """
 
 from __future__ import annotations
@@ -327,11 +326,12 @@ def _floor(method, s: dict[str, Any], trainable: int, rates: dict[str, Any]) -> 
     work = method.step_work()
     if work.differentiable is None and not {"rollout", "reference", "policy_forward"} <= set(type(method).phase_names):
         return None  # the roofline counts the GRPO family's phases and a declared differentiable rollout's
-    half = s["precision"].split("-")[0] in ("bf16", "16")
-    weight_bytes = 2 if s["precision"] in ("bf16-true", "16-true") else 4
+    precision = s["precision"]  # half: the matmuls in 16 bits; true half: the weights too
+    half, weight_bytes = precision.split("-")[0] in ("bf16", "16"), 2 if precision in ("bf16-true", "16-true") else 4
     step = StepSettings.of(
         work,
         trainable=trainable,
+        device=s["device_type"],
         prompts=s["prompts"],
         generations=s["num_generations"],
         prompt_length=s["prompt_length"],

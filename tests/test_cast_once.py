@@ -20,7 +20,12 @@ from test_decode import EOS, PAD, _prompts
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import GenerationConfig
 
-from lit_rl.models.cast_once import float32_packing_unsupported, float32_weights_packed, linear_weights_cast_once
+from lit_rl.models.cast_once import (
+    float32_packing_unsupported,
+    float32_weights_packed,
+    linear_weights_cast_once,
+    weights_meant_for,
+)
 from lit_rl.models.decode import decode, sampling_settings
 from lit_rl.models.tiny import tiny_model
 
@@ -276,6 +281,26 @@ def test_float32_packing_says_why_not_where_it_cannot_run():
     assert "on meta" in float32_packing_unsupported(torch.device("meta"))
     with torch.backends.mkldnn.flags(enabled=False):
         assert "oneDNN" in float32_packing_unsupported(torch.device("cpu"))
+    with weights_meant_for("cuda"):  # the estimator's CPU fake tensors, for a step meant for a GPU
+        assert "on cuda" in float32_packing_unsupported(torch.device("cpu"))
+    assert float32_packing_unsupported(torch.device("cpu")) == float32_packing_unsupported(torch.device("cpu:0"))
+
+
+def test_the_estimate_charges_packed_copies_only_on_the_device_that_packs():
+    """A full fine-tuning rollout's packed copies (its trained weights are copied, not lent) raise the estimated rollout
+    peak for a CPU run; for a GPU run, where the setting has no effect, the estimate is the plain sampler's."""
+    from lit_rl.memory.estimate import estimate_step
+    from lit_rl.methods import RefCachedGRPO
+
+    if float32_packing_unsupported(torch.device("cpu")) is not None:
+        pytest.skip("this torch has no oneDNN: float32 weights are not packed")
+    peaks = {}
+    for linear in ("plain", "packed"):
+        method = RefCachedGRPO(name_or_path="tiny:llama", num_generations=2, max_new_tokens=4, rollout_linear=linear)
+        for device in ("cpu", "cuda"):
+            estimate = estimate_step(method, batch_size=2, prompt_length=8, device_type=device)
+            peaks[linear, device] = estimate.phases["rollout"]
+    assert peaks["packed", "cpu"] > peaks["plain", "cpu"] == peaks["plain", "cuda"] == peaks["packed", "cuda"]
 
 
 @pytest.mark.bench

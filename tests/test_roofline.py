@@ -380,6 +380,10 @@ def test_grpo_declares_its_sampler_for_the_roofline():
     packed = RefCachedGRPO(name_or_path="tiny:llama", rollout_linear="packed")
     settings = StepSettings.of(step_work(packed), trainable=1, prompts=1, generations=2, prompt_length=4, new_tokens=2)
     assert settings.rollout_packed and not step_work(method).rollout_packed
+    # counted only where it packs: float32 compute on a CPU (a GPU, bf16 autocast or bf16 weights: no effect)
+    for where in (dict(device="cuda"), dict(weight_bytes=4, cache_bytes=2), dict(weight_bytes=2, cache_bytes=2)):
+        shapes = dict(prompts=1, generations=2, prompt_length=4, new_tokens=2, **where)
+        assert not StepSettings.of(step_work(packed), trainable=1, **shapes).rollout_packed, where
     full = RefCachedGRPO(name_or_path="tiny:llama", rollout_lora="merged")  # no LoRA: nothing to merge
     assert (step_work(full).rollout_dtype, step_work(full).rollout_merged) == (None, False)
 

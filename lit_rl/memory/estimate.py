@@ -166,7 +166,7 @@ def estimate_step(
     rollout_gather = (rollout_gather or "auto") if sharded else None
     processes = fake_processes(shard_processes) if sharded else contextlib.nullcontext()
     # the mesh of real tensors, made before fake mode
-    with processes as mesh, fake_mode(), patches(padded), offloaded_gathers(shard_offload):
+    with processes as mesh, fake_mode(), patches(padded, device_type), offloaded_gathers(shard_offload):
         method.to_empty(device="cpu")
         _tie_all(method)
         roots = shard_models(method, mesh, rollout_gather=rollout_gather)[0] if mesh is not None else []

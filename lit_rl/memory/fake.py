@@ -37,7 +37,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lit_rl.models import base_model, cache_kwargs
-from lit_rl.models.cast_once import linear_weights_cast_once
+from lit_rl.models.cast_once import linear_weights_cast_once, weights_meant_for
 from lit_rl.models.compiled_decode import static_capacity
 from lit_rl.models.decode import preallocate
 from lit_rl.ops.token_math import peak_blocks_only
@@ -148,8 +148,10 @@ def unpredictable(err: BaseException) -> str:
 
 
 @contextlib.contextmanager
-def patches(padded: bool) -> Iterator[None]:
-    """transformers' mask skipping, decided as the real run decides it (``padded``: prompts are left-padded)."""
+def patches(padded: bool, device_type: str = "cpu") -> Iterator[None]:
+    """What the real run decides from values or its device, decided as it would: transformers' mask skipping
+    (``padded``: prompts are left-padded), and whether the rollout's float32 weights are packed (on ``device_type``,
+    not the fake tensors' CPU: :func:`~lit_rl.models.cast_once.weights_meant_for`)."""
     import transformers.masking_utils as masking_utils
 
     def ignore_causal_mask(padding_mask, q_length, kv_length, q_offset, kv_offset, local_attention_size=None):
@@ -161,7 +163,8 @@ def patches(padded: bool) -> Iterator[None]:
     original = masking_utils._ignore_causal_mask_sdpa
     masking_utils._ignore_causal_mask_sdpa = ignore_causal_mask
     try:
-        yield
+        with weights_meant_for(device_type):
+            yield
     finally:
         masking_utils._ignore_causal_mask_sdpa = original
 

@@ -60,6 +60,7 @@ def _run_settings(trainer, module) -> tuple[ModelShape, StepSettings, str]:
     base = StepSettings.of(
         work,
         trainable=trainable,
+        device=trainer.strategy.root_device.type,
         prompts=1,
         generations=rollout.completions_per_prompt,
         prompt_length=1,

@@ -211,10 +211,12 @@ class StepSettings:
             object.__setattr__(self, "scorer", ModelShape(**self.scorer))
 
     @classmethod
-    def of(cls, work: StepWork, *, trainable: int, **shapes: Any) -> StepSettings:
+    def of(cls, work: StepWork, *, trainable: int, device: str = "cpu", **shapes: Any) -> StepSettings:
         """The settings of a step whose passes ``work`` declares (:func:`~lit_rl.memory.rollout.step_work`), at
         ``shapes``: the other fields (``prompts``, ``generations``, lengths, ``micro_batch``, byte sizes,
         ``checkpointed_layers``, ``base_nf4``). The one constructor the profiler's roofline and the planner share.
+        A packed sampler counts only where it packs (:func:`~lit_rl.models.sampling.rollout_sampler`): float32
+        compute on a ``device`` of type ``cpu``; elsewhere the run says it has no effect.
 
         Raises:
             ValueError: a differentiable rollout's scorer whose config :class:`ModelShape` cannot read.
@@ -225,6 +227,8 @@ class StepSettings:
             scorer = ModelShape.from_config(soft.scorer) if soft.scorer is not None else None
             extra = dict(soft_topk=soft.top_k, scorer=scorer, recompute_steps=soft.recompute_steps,
                          grad_window=soft.grad_window)  # fmt: skip
+        float32 = shapes.get("weight_bytes", 4) == shapes.get("cache_bytes", 4) == 4  # no autocast, no bf16 weights
+        packed = work.rollout_packed and device == "cpu" and work.rollout_dtype is None and float32
         return cls(
             share_prompt=work.share_prompt,
             adapters=trainable if work.adapters else 0,
@@ -234,7 +238,7 @@ class StepSettings:
             clip=work.clip,
             rollout_dtype=work.rollout_dtype,
             rollout_merged=work.rollout_merged,
-            rollout_packed=work.rollout_packed,
+            rollout_packed=packed,
             rollout_rows=work.rollout_rows,
             **extra,
             **shapes,

@@ -11,7 +11,7 @@ models' parts built in memory for tests (:func:`tiny_config`, :func:`tiny_tokeni
 """
 
 from lit_rl.models.cache_keyword import cache_keyword, cache_kwargs, output_cache
-from lit_rl.models.cast_once import float32_weights_packed, linear_weights_cast_once
+from lit_rl.models.cast_once import float32_weights_packed, linear_weights_cast_once, weights_meant_for
 from lit_rl.models.checkpointing import checkpointing_refused, enable_activation_checkpointing, own_recomputation
 from lit_rl.models.compiled_decode import compile_seconds, compile_unsupported
 from lit_rl.models.decode import decode_unsupported
@@ -126,4 +126,5 @@ __all__ = [
     "tiny_tokenizer",
     "trunk",
     "trunk_hidden",
+    "weights_meant_for",
 ]

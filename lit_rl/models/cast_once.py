@@ -24,16 +24,17 @@ replaces the cast, with the same bytes for dimensions that are multiples of 16. 
 other devices keep plain casts.
 
 **A float32 sampler on packed weights** (``model.rollout_linear: packed``, :func:`float32_weights_packed`): outside
-autocast the float32 weights are packed the same way. A frozen weight that only its layer reads (a LoRA base) lends
-its storage to its packed copy: the parameter holds no data until the rollout ends, when it is unpacked again, bitwise
-what it was, so the rollout holds no more than before. A trained or tied weight (full fine-tuning, a head tied to the
+autocast the float32 weights are packed the same way. A frozen weight that only its layer reads (a LoRA base) lends its
+storage to its packed copy: the parameter holds no data until the rollout ends, when it is unpacked again, bitwise what
+it was, so the rollout holds no more than before. A trained or tied weight (full fine-tuning, a head tied to the
 embedding) gets a copy held through the rollout. The estimator charges either (its fake tensors do the same with plain
-copies). oneDNN's float32 linear sums in another order than ``F.linear``'s (MKL on this project's CPU), so this one is
-not bitwise: a layer's output differs by float32 rounding (``tests/test_cast_once.py`` bounds it against a
-float64 reference), and the sampler's log-probs differ from the trainer's by about what the exact decode loop's
-already do (the rollout is an incremental decode, the trainer a full forward; both are logged as
-``rollout/sampler_*``). It is faster on decode steps of a few rows, where ``F.linear`` reads float32 weights slowly
-(``python bench/bench_packed_linear.py --float32``, ``bench/results/packed_linear_float32.md``).
+copies), for a run on a CPU only (:func:`weights_meant_for`: on a GPU the setting has no effect). oneDNN's float32
+linear sums in another order than ``F.linear``'s (MKL on this project's CPU), so this one is not bitwise: a layer's
+output differs by float32 rounding (``tests/test_cast_once.py`` bounds it against a float64 reference), and the
+sampler's log-probs differ from the trainer's by about what the exact decode loop's already do (the rollout is an
+incremental decode, the trainer a full forward; both are logged as ``rollout/sampler_*``). It is faster on decode steps
+of a few rows, where ``F.linear`` reads float32 weights slowly (``python bench/bench_packed_linear.py --float32``,
+``bench/results/packed_linear_float32.md``).
 
 Only exact ``nn.Linear`` modules are cast (a LoRA layer's base layer and adapters are; an NF4 layer, a GPT-2
 ``Conv1D``, a module whose ``forward`` someone else has replaced on the instance, and a layer whose weight is an
@@ -52,9 +53,10 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 
-__all__ = ["float32_packing_unsupported", "float32_weights_packed", "linear_weights_cast_once"]
+__all__ = ["float32_packing_unsupported", "float32_weights_packed", "linear_weights_cast_once", "weights_meant_for"]
 
 _FLOAT32_PACKED: contextvars.ContextVar[bool] = contextvars.ContextVar("float32_packed", default=False)
+_MEANT_FOR: contextvars.ContextVar[str | None] = contextvars.ContextVar("weights_meant_for", default=None)
 
 
 @contextlib.contextmanager
@@ -67,10 +69,22 @@ def float32_weights_packed() -> Iterator[None]:
         _FLOAT32_PACKED.reset(token)
 
 
+@contextlib.contextmanager
+def weights_meant_for(device_type: str) -> Iterator[None]:
+    """Within it, :func:`float32_packing_unsupported` answers for weights on ``device_type``, wherever they are: the
+    estimator steps on the CPU's fake tensors a model meant for a GPU, where the packing has no effect."""
+    token = _MEANT_FOR.set(device_type)
+    try:
+        yield
+    finally:
+        _MEANT_FOR.reset(token)
+
+
 def float32_packing_unsupported(device: torch.device) -> str | None:
     """Why float32 weights on ``device`` would not be packed (``None``: they would be)."""
-    if device.type != "cpu":
-        return f"oneDNN's packed linear runs on a CPU, the weights are on {device.type}"
+    device_type = _MEANT_FOR.get() or device.type
+    if device_type != "cpu":
+        return f"oneDNN's packed linear runs on a CPU, the weights are on {device_type}"
     if not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
         return "this torch has no oneDNN (torch.backends.mkldnn) or it is disabled"
     return None
