@@ -157,6 +157,7 @@ def _memory_plan(column: dict[str, tuple[str, ...]], arms: list[str], text: str)
     scale = text.split("## Plans at scale (estimated, not run)", 1)[1]
     assert "### tiny at 2 MiB" in scale and "`lit-rl estimate --config configs/grpo_tiny.yaml" in scale
     assert "plan for 2.00 MiB of tensors" in scale and "<- plan" in scale, scale
+    assert re.search(r"At commit \w+.*; 1-minute load average [\d.]+ before, [\d.]+ after", scale), scale
 
 
 CHECKS = {  # a study's own assertions on its quick table (by column) and results file

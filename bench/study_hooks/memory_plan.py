@@ -10,6 +10,7 @@ study's runs, so ``--reuse`` reads it again.
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import sys
@@ -102,17 +103,23 @@ def after(study: dict, arms: list, results: Path) -> list[str]:
         args = ["estimate", "--config", spec["config"], *map(str, spec.get("args", [])),
                 "--device-memory", spec["budget"], "--allow", spec.get("allow", "")]  # fmt: skip
         shown = shlex.join(["lit-rl", *args, "--plan", "plan.yaml"])
+        made = saved.with_suffix(".json")  # the commit and load the table was made at (its time column's rates)
         if not (runtime.reuse and saved.is_file()):
             cmd = [sys.executable, "-m", "lit_rl", *args, "--plan", str(plan)]
             print(f"+ {shlex.join(cmd)}", file=sys.stderr, flush=True)
             runtime.out.mkdir(parents=True, exist_ok=True)
+            before = harness.load_average()
             try:
                 harness.run_measured(cmd, None, harness.thread_env(runtime.threads), saved)
             except harness.ChildFailed as err:  # no plan fits: the planner says so in its last line, exit 2
                 if err.code != 2:
                     raise
+            made.write_text(json.dumps({"commit": harness.git_commit(), "load": [before, harness.load_average()]}))
         text = saved.read_text().splitlines()
         table = text[next((i for i, ln in enumerate(text) if ln.startswith("plan for")), 0) :]
         table = table[: table.index("")] if "" in table else table  # the table; not where this machine wrote the plan
-        lines += [f"### {title}", "", f"`{shown}`", "", "```", *table, "```", ""]
+        at = json.loads(made.read_text()) if made.is_file() else None
+        when = [f"At commit {at['commit']}; 1-minute load average {at['load'][0]:.1f} before, {at['load'][1]:.1f} "
+                "after (the time column's rates are measured at the start).", ""] if at else []  # fmt: skip
+        lines += [f"### {title}", "", f"`{shown}`", "", *when, "```", *table, "```", ""]
     return lines
