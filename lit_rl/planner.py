@@ -63,6 +63,7 @@ CHANGES_ARITHMETIC = {
 }
 PLAN_MARK = "# lit-rl plan for "
 _MIXED = ("bf16-mixed", "16-mixed")
+_WEIGHT_BYTES = {"bf16-true": 2, "16-true": 2}  # per weight, gradient and optimizer value by precision; else 4
 
 
 @dataclass
@@ -302,7 +303,7 @@ def _floor_before(module, base: Candidate, rates: dict[str, Any], overrides: dic
 
 def _trainable(estimate: Estimate) -> int:
     """Trained weights: the estimate's gradient bytes over the bytes of one weight at its precision."""
-    weight_bytes = 2 if estimate.settings["precision"] in ("bf16-true", "16-true") else 4
+    weight_bytes = _WEIGHT_BYTES.get(estimate.settings["precision"], 4)
     return next((c.bytes for c in estimate.components if c.name == "gradients"), 0) // weight_bytes
 
 
@@ -326,8 +327,7 @@ def _floor(method, s: dict[str, Any], trainable: int, rates: dict[str, Any]) -> 
     work = method.step_work()
     if work.differentiable is None and not {"rollout", "reference", "policy_forward"} <= set(type(method).phase_names):
         return None  # the roofline counts the GRPO family's phases and a declared differentiable rollout's
-    precision = s["precision"]  # half: the matmuls in 16 bits; true half: the weights too
-    half, weight_bytes = precision.split("-")[0] in ("bf16", "16"), 2 if precision in ("bf16-true", "16-true") else 4
+    half = s["precision"].split("-")[0] in ("bf16", "16")  # the matmuls in 16 bits (true half: the weights too)
     step = StepSettings.of(
         work,
         trainable=trainable,
@@ -337,7 +337,7 @@ def _floor(method, s: dict[str, Any], trainable: int, rates: dict[str, Any]) -> 
         prompt_length=s["prompt_length"],
         new_tokens=s["max_new_tokens"],
         micro_batch=s["micro_batch_size"],
-        weight_bytes=weight_bytes,
+        weight_bytes=_WEIGHT_BYTES.get(s["precision"], 4),
         cache_bytes=2 if half else 4,
         checkpointed_layers=checkpointed_layers(shape.layers, s["activation_checkpointing"]),
         base_nf4=nf4_bytes_per_param() if s["hparams"].get("quantize_base") == "nf4" else 0.0,  # overrides included

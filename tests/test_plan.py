@@ -164,12 +164,12 @@ def test_a_4_bit_base_is_timed_with_its_decoding_and_searched_last():
     # a 4-bit candidate is slower than the same setting dense; searched last, it is pruned by the floor of a dense
     # candidate that fits, without an estimate
     lora = RefCachedGRPO(name_or_path="tiny:llama", num_generations=4, max_new_tokens=16, lora=LoraSettings(r=4))
-    bf16 = _candidate(lora, RATES, SHAPE, {"precision": "bf16-true"}, ("bf16",))
-    both = _candidate(lora, RATES, SHAPE, {"precision": "bf16-true", "quantize_base": "nf4"}, ("bf16", "nf4"))
+    dense = ({"precision": "bf16-true"}, ("bf16",))  # a candidate's overrides and allowed tactics
+    nf4 = ({"precision": "bf16-true", "quantize_base": "nf4"}, ("bf16", "nf4"))
+    bf16, both = _candidate(lora, RATES, SHAPE, *dense), _candidate(lora, RATES, SHAPE, *nf4)
     assert both.peak < bf16.peak and both.seconds >= bf16.seconds  # at RATES the tiny step is compute-bound
     slow = {**RATES, "bandwidth_bytes_per_s": 1e8}  # memory-bound: the decoding's bytes show
-    both_slow = _candidate(lora, slow, SHAPE, {"precision": "bf16-true", "quantize_base": "nf4"}, ("bf16", "nf4"))
-    assert both_slow.seconds > _candidate(lora, slow, SHAPE, {"precision": "bf16-true"}, ("bf16",)).seconds
+    assert _candidate(lora, slow, SHAPE, *nf4).seconds > _candidate(lora, slow, SHAPE, *dense).seconds
     best, found, base = plan(lora, bf16.peak, allow=("bf16", "nf4"), rates=slow, **SHAPE)
     assert base.peak > bf16.peak and best.seconds is not None and "bf16" in best.allowed
     assert not any("nf4" in c.allowed for c in found)

@@ -353,12 +353,12 @@ def test_a_4bit_base_reads_its_codes_and_writes_and_reads_its_decoding_in_every_
         loss.backward()
     assert forward.bytes == backward.bytes == shape.trunk_weights * 4  # one dense float32 decoding per pass
 
-    q, w = stored / weights, shape.trunk_weights
+    q, w, hv = stored / weights, SMOL.trunk_weights, SMOL.head_weights  # the tiny model's bytes per weight, at SMOL
     lora = _settings(prompts=4, new_tokens=3, adapters=10_000, trainable=10_000, micro_batch=2)
     for sampler in ({}, {"rollout_dtype": "bfloat16", "rollout_merged": True}, {"rollout_packed": True}):
         dense = phase_work(SMOL, replace(lora, **sampler))
         nf4 = phase_work(SMOL, replace(lora, base_nf4=q, **sampler))
-        w, hv, rb = SMOL.trunk_weights, SMOL.head_weights, 2 if sampler.get("rollout_dtype") else 4
+        rb = 2 if sampler.get("rollout_dtype") else 4
         for name in ("reference", "policy_forward", "backward"):
             for x, y in zip(dense[name], nf4[name], strict=True):
                 assert (y.flops, y.bytes - x.bytes) == (x.flops, pytest.approx(w * (q + 4))), name
