@@ -4,6 +4,8 @@ On CUDA (about 5 minutes on one H100) it measures, with random-weight models of 
 (``shape:<name>``, :mod:`lit_rl.models.shapes`: memory and speed do not depend on the weights' values, and
 nothing is downloaded):
 
+- **rates**: ``lit-rl rates --device cuda`` (matmul rates and bandwidth), saved beside the table as
+  ``gpu_rates.json``: the rates ``lit-rl estimate --plan --rates`` times a GPU step's candidates with on any machine;
 - **peaks**: each method (RefCachedGRPO, Intuitor, GumbelTopK) on Qwen2.5-0.5B full fine-tuning in float32,
   Qwen2.5-1.5B LoRA in bf16 and Qwen2.5-7B LoRA over an NF4 base, micro-batch 1, a few steps under the
   :class:`~lit_rl.callbacks.MemoryProfiler`: per phase the CUDA allocator's ``max_memory_allocated`` and
@@ -646,7 +648,24 @@ def _plan_for_half_of_trl(trl: dict, work: list[str], plan_file: Path) -> dict:
     return planned | {"plan_file": str(plan_file), **chosen}
 
 
-PARTS = {"peaks": part_peaks, "decode": part_decode, "tactics": part_tactics, "oom": part_oom, "vs_trl": part_vs_trl,
+def part_rates(args, cases, sizes, record) -> None:
+    """``lit-rl rates`` on the device (full sizes; ``--quick``: quick ones), saved beside the table as
+    ``<out>_rates.json``: the file ``lit-rl estimate --plan --rates`` times a GPU's candidates with on a machine
+    without one (a CPU's rates are refused for a GPU step)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    path = Path(args.out).with_name(Path(args.out).stem + "_rates.json")
+
+    def measure() -> dict:
+        command = [sys.executable, "-m", "lit_rl", "rates", "--device", device, "--out", str(path)]
+        done = subprocess.run([*command, *(["--quick"] if args.quick else [])], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"exit {done.returncode}: {harness.last_line(done)}")
+        return {"file": path.name, "lines": done.stdout.strip().splitlines()}
+
+    record("rates", device, measure)
+
+
+PARTS = {"rates": part_rates, "peaks": part_peaks, "decode": part_decode, "tactics": part_tactics, "oom": part_oom, "vs_trl": part_vs_trl,
          "fsdp2": part_fsdp2, "peaks_large": part_peaks_large}  # fmt: skip
 
 
@@ -863,6 +882,10 @@ def render(results: dict) -> str:
         lines.append(f"- {key}: " + json.dumps({k: v for k, v in entry.items() if k != "report"}, default=str))
         if report:
             lines.append("  - report: " + json.dumps(report, default=str)[:1500])
+    for device, entry in results.get("rates", {}).items():
+        lines += ["", "## The device's rates", "", f"`lit-rl rates --device {device}`, saved as `{entry.get('file')}` "
+                  "(the file `lit-rl estimate --plan --rates` times this device's candidates with, anywhere):", "",
+                  *[f"    {line}" for line in entry.get("lines", [entry.get("error", "")])]]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
@@ -887,7 +910,7 @@ def main(argv: list[str] | None = None) -> dict:
     command = "python bench/device_check.py" + (" " + " ".join(argv if argv is not None else sys.argv[1:])).rstrip()
     results: dict[str, Any] = {"command": command.strip(), "quick": args.quick, "environment": environment(),
                                "parts": args.parts, "seconds": {}, "finished": False, "allocated_stat": "steady",
-                               **{part: {} for part in ("peaks", "decode", "tactics", "oom", "vs_trl", "fsdp2")}}  # fmt: skip
+                               **{part: {} for part in ("rates", "peaks", "decode", "tactics", "oom", "vs_trl", "fsdp2")}}  # fmt: skip
 
     def save() -> None:
         out.parent.mkdir(parents=True, exist_ok=True)

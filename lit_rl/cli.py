@@ -234,7 +234,8 @@ def _option_parser() -> OptionParser:
     parser.add_argument(
         "--device",
         choices=("cpu", "cuda"),
-        help="which kernels to mirror (an AdamW that is not fused: per tensor on cpu, foreach on cuda); default: from trainer.accelerator",
+        help="which kernels to mirror (an AdamW that is not fused: per tensor on cpu, foreach on cuda) and whose "
+        "rates time a plan; default: from trainer.accelerator (auto: cuda where this machine has it)",
     )
     parser.add_argument(
         "--padded",
@@ -255,7 +256,12 @@ def _option_parser() -> OptionParser:
         help="with --plan: tactics that change the arithmetic the plan may use, comma-separated "
         f"({', '.join(CHANGES_ARITHMETIC)}) or all; by default the plan keeps the config's arithmetic",
     )
-    parser.add_argument("--rates", metavar="FILE", help="with --plan: machine rates for the times (default: measured)")
+    parser.add_argument(
+        "--rates",
+        metavar="FILE",
+        help="with --plan: rates of the step's device for the times (lit-rl rates --device D --out FILE; default: "
+        "measured here where this machine has that device, else not timed)",
+    )
     return parser
 
 
@@ -280,7 +286,8 @@ def estimate_from_args(args: list[str]) -> tuple[Estimate, dict[str, Any], Any]:
     options, rest = _option_parser().parse_known_args(args)
     module, datamodule, trainer_config = parse_fit_config(rest)
     accelerator = str(trainer_config.get("accelerator", "auto"))
-    device_type = options.device or ("cuda" if accelerator in ("gpu", "cuda") else "cpu")
+    gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())  # as Lightning's
+    device_type = options.device or ("cuda" if gpu else "cpu")
     settings = settings_from(
         datamodule,
         precision=str(trainer_config.get("precision", "32-true") or "32-true"),

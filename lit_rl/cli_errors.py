@@ -35,7 +35,7 @@ import lightning as L
 import yaml
 
 from lit_rl.models.optimizers import METHOD_OPTIONS
-from lit_rl.planner import check_plan_files
+from lit_rl.plan_file import check_plan_files
 
 _PACKAGE_DIRS = tuple(str(Path(f).resolve().parent) + os.sep for f in (__file__, L.__file__))  # lit_rl/, lightning/
 _HELP = "`lit-rl fit --help` lists the options"

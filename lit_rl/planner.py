@@ -4,7 +4,9 @@
 
 Each candidate is the config with some tactics turned on, predicted by the estimator (the method's own step on
 fake tensors, :mod:`lit_rl.memory.estimate`) and timed by the roofline (:mod:`lit_rl.memory.roofline`: the step's
-floor at the machine's measured rates, or a rates file's). The tactics:
+floor at the rates of the device it runs on, ``--device`` or ``trainer.accelerator``: a rates file's, ``--rates``,
+which must have been measured on such a device, else measured here where this machine has one; a plan for a GPU made
+on a machine without one is not timed, and its candidates rank by their passes). The tactics:
 
 - kept arithmetic (always searched): fewer completions decoded together (``rollout_rows``) when the rollout's own
   peak (its KV cache) does not fit, the most that fit; smaller update micro-batches, as a token budget
@@ -30,12 +32,11 @@ fits, one the roofline does not model, which ranks after it. A 4-bit base, the s
 weights in every pass), is searched last. The fastest candidate by the roofline's floor wins (where the roofline does
 not model the step, a method whose phases it does not know, the fewest passes and least recompute win instead, and the
 table says so). The plan is written as a config fragment for ``lit-rl fit --config C --config plan.yaml``, headed by the
-config it was made for, which the fit checks (:func:`plan_header` / :func:`check_plan_files`).
+config it was made for, which the fit checks (:mod:`lit_rl.plan_file`).
 """
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import math
 import sys
@@ -47,12 +48,13 @@ import yaml
 
 from lit_rl.memory.estimate import Estimate, copy_method, estimate_step
 from lit_rl.memory.fit import checkpointed_layers, layer_count, least_checkpointing
-from lit_rl.memory.machine_rates import load_rates, measure_rates
+from lit_rl.memory.machine_rates import load_rates, rates_for
 from lit_rl.memory.rollout import rollout_shape
 from lit_rl.memory.units import format_bytes
 from lit_rl.memory.work import ModelShape, StepSettings, floor, floor_rates, phase_work
 from lit_rl.models import checkpointing_refused, keeps_bf16_updates, nf4_bytes_per_param, own_recomputation
 from lit_rl.models.sampling import rollout_chunks
+from lit_rl.plan_file import plan_fragment, plan_header
 
 #: tactics that change the numbers a step computes, searched only when ``--allow`` names them
 CHANGES_ARITHMETIC = {
@@ -61,7 +63,6 @@ CHANGES_ARITHMETIC = {
     "nf4": "the frozen base in 4-bit NF4 (LoRA runs only)",
     "reference_bf16": "the full fine-tuning reference copy in bfloat16 (full fine-tuning with a KL term only)",
 }
-PLAN_MARK = "# lit-rl plan for "
 _MIXED = ("bf16-mixed", "16-mixed")
 _WEIGHT_BYTES = {"bf16-true": 2, "16-true": 2}  # per weight, gradient and optimizer value by precision; else 4
 
@@ -100,7 +101,8 @@ def plan(
         module: as for :func:`~lit_rl.memory.estimate.estimate_step`.
         device_bytes: the budget for the step's tensor peak.
         allow: names of :data:`CHANGES_ARITHMETIC` the search may turn on.
-        rates: machine rates (:func:`~lit_rl.memory.machine_rates.load_rates`); measured here (quick) if ``None``.
+        rates: rates of the device the step runs on (:func:`~lit_rl.memory.machine_rates.load_rates`); if
+            ``None``, measured here (quick) where this machine has such a device, else no candidate is timed.
         progress: print a line to stderr per candidate estimated (each is a run of the step on fake tensors).
         **settings: the keyword arguments of ``estimate_step`` (the config's own).
 
@@ -108,8 +110,8 @@ def plan(
         ``(the chosen candidate or None, every candidate estimated, the config as it is)``.
 
     Raises:
-        ValueError: an unknown ``allow`` name, or ``nf4`` allowed without LoRA alone (it is then skipped, not
-            refused, when other names are allowed too).
+        ValueError: an unknown ``allow`` name, ``nf4`` allowed without LoRA alone (it is then skipped, not
+            refused, when other names are allowed too), or ``rates`` measured on another kind of device.
     """
     unknown = sorted(set(allow) - set(CHANGES_ARITHMETIC))
     if unknown:
@@ -119,7 +121,7 @@ def plan(
             "--plan: the config already checkpoints activations; remove its ActivationCheckpointing callback and "
             "let the plan choose every_n_layers"
         )
-    rates = rates or measure_rates(quick=True)
+    rates = rates_for(settings.get("device_type", "cpu"), rates)  # None: no rates for that device here
     base = _candidate(module, rates, settings, {}, ())
     found: list[Candidate] = []
 
@@ -317,9 +319,11 @@ def _with_overrides(module, overrides: dict[str, Any]):
     return copy_method(module, {k: v for k, v in overrides.items() if k != "precision"})
 
 
-def _floor(method, s: dict[str, Any], trainable: int, rates: dict[str, Any]) -> float | None:
+def _floor(method, s: dict[str, Any], trainable: int, rates: dict[str, Any] | None) -> float | None:
     """The floor of ``method``'s step (a candidate's copy) with the estimate settings ``s`` and ``trainable`` trained
     weights."""
+    if rates is None:  # no rates for the step's device: not timed
+        return None
     try:
         shape = ModelShape.from_config(s["config"])
     except ValueError:
@@ -372,9 +376,15 @@ def write_plan(
     if device_bytes is None:
         raise ValueError("--plan: needs --device-memory, the budget to plan for; e.g. --device-memory 2GiB")
     allowed = tuple(CHANGES_ARITHMETIC) if allow == "all" else tuple(a for a in allow.split(",") if a)
-    machine = load_rates(rates) if rates else None
+    device = settings.get("device_type", "cpu")
+    machine = rates_for(device, load_rates(rates) if rates else None)  # refuses another device's rates
     best, found, base = plan(module, device_bytes, allow=allowed, rates=machine, progress=True, **settings)
     print("\n" + plan_table(best, found, base, device_bytes))
+    if machine is None:
+        print(f"not timed: this machine has no {device} (the candidates are ranked by their passes); measure its rates "
+              f"there with `lit-rl rates --device {device} --out FILE` and plan with --rates FILE")  # fmt: skip
+    else:
+        print(f"times: floors at the rates of {machine.get('machine', device)} ({rates or 'measured now, quick'})")
     if "bf16" in allowed and settings.get("precision") != "bf16-true" and _rounds_bf16_to_nearest(module):
         print("bf16* is searched only beside adamw8bit*: the config's optimizer rounds bf16 weights to nearest, losing "
               "most updates at small learning rates; lit-rl's 8-bit step rounds them stochastically")  # fmt: skip
@@ -385,63 +395,9 @@ def write_plan(
     return best
 
 
-def plan_fragment(best: Candidate) -> dict[str, Any]:
-    """The config fragment that applies ``best``'s tactics (YAML-ready)."""
-    o = best.overrides
-    model = {k: v for k, v in o.items() if k not in ("optimizer", "precision", "activation_checkpointing")}
-    fragment: dict[str, Any] = {"model": {"init_args": model}} if model else {}
-    if "optimizer" in o:
-        fragment["optimizer"] = {"class_path": o["optimizer"]["class_path"]}
-    trainer: dict[str, Any] = {}
-    if "precision" in o:
-        trainer["precision"] = o["precision"]
-    if best.every_n_layers:
-        trainer["callbacks+"] = [
-            {
-                "class_path": "lit_rl.callbacks.ActivationCheckpointing",
-                "init_args": {"every_n_layers": best.every_n_layers},
-            }
-        ]
-    if trainer:
-        fragment["trainer"] = trainer
-    return fragment
-
-
-def config_digest(path: str | Path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
-
-
-def plan_header(configs: list[str], device_bytes: int) -> str:
-    """The plan file's first lines: the configs it was made for (with their digests) and the budget."""
-    made_for = " ".join(f"{c}@{config_digest(c)}" for c in configs)
-    return f"{PLAN_MARK}{made_for}\n# budget {format_bytes(device_bytes)}; apply: lit-rl fit --config ... --config <this file>\n"
-
-
-def check_plan_files(config_files: list[str]) -> None:
-    """Refuse a plan file (among ``--config`` files) made for other configs than the ones given with it.
-
-    Raises:
-        ValueError: one line naming the plan, the configs it was made for, and the fix.
-    """
-    for path in config_files:
-        first = Path(path).read_text().split("\n", 1)[0] if Path(path).is_file() else ""
-        if not first.startswith(PLAN_MARK):
-            continue
-        others = [c for c in config_files if c != path]
-        for entry in first.removeprefix(PLAN_MARK).split():
-            config, _, digest = entry.rpartition("@")
-            same = any(Path(c).resolve() == Path(config).resolve() for c in others if Path(config).exists())
-            if not same or config_digest(config) != digest:
-                raise ValueError(
-                    f"--config {path}: a plan made for {config} as it was then, not for "
-                    f"{' '.join(others) or 'no config'}; make one for this config: lit-rl estimate --config ... "
-                    "--device-memory X --plan FILE"
-                )
-
-
 def plan_table(best: Candidate | None, found: list[Candidate], base: Candidate, device_bytes: int) -> str:
     """What the plan turns on, each candidate's peak and time against the config as it is."""
-    head = f"plan for {format_bytes(device_bytes)} of tensors (predicted peak, roofline floor at this machine's rates):"
+    head = f"plan for {format_bytes(device_bytes)} of tensors (predicted peak, roofline floor against the config's):"
     width = max(len(describe(c)) for c in [base, *found])
     lines = [head, f"  {'tactics':<{width}} {'peak':>11} {'saved':>11} {'time':>8}  fits"]
 
@@ -456,7 +412,10 @@ def plan_table(best: Candidate | None, found: list[Candidate], base: Candidate, 
             f"  {describe(c):<{width}} {format_bytes(c.peak):>11} {format_bytes(base.peak - c.peak):>11} {time(c):>8}  "
             f"{'yes' if c.peak <= device_bytes else 'no'}{mark}"
         )
-    lines.append("  * changes the arithmetic (allowed by --allow); n/m: time not modelled by the roofline")
+    lines.append(
+        "  * changes the arithmetic (allowed by --allow); n/m: no time (a step the roofline does not model, "
+        "or no rates for its device)"
+    )
     return "\n".join(lines)
 
 
@@ -489,11 +448,8 @@ def unreachable_line(found: list[Candidate], device_bytes: int, allow: tuple[str
 __all__ = [
     "CHANGES_ARITHMETIC",
     "Candidate",
-    "check_plan_files",
     "describe",
     "plan",
-    "plan_fragment",
-    "plan_header",
     "plan_table",
     "unreachable_line",
     "write_plan",

@@ -39,6 +39,16 @@ def test_every_part_ran_and_the_run_finished(run):
                                      for c in ("tiny full FT fp32", "tiny LoRA bf16", "tiny LoRA NF4")}  # fmt: skip
 
 
+def test_the_devices_rates_are_saved_as_a_file_the_planner_reads(run):
+    results, out, rendered = run
+    entry = results["rates"]["cpu"]  # a CPU run measures the CPU's: a GPU run's are the cuda ones
+    path = out.with_name("gpu_rates.json")
+    assert entry["file"] == path.name and path.is_file() and f"saved as `{path.name}`" in rendered
+    rates = json.loads(path.read_text())
+    assert rates["device"] == "cpu" and set(rates["dtypes"]) == {"float32", "bfloat16"}
+    assert rates["bandwidth_bytes_per_s"] > 0 and any("GB/s" in line for line in entry["lines"])
+
+
 def test_peaks_have_every_phase_measured_and_predicted(run):
     results, _, _ = run
     for key, entry in results["peaks"].items():

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from lit_rl import planner
@@ -14,6 +16,7 @@ from lit_rl.memory.estimate import copy_method
 from lit_rl.memory.units import format_bytes
 from lit_rl.methods import RefCachedGRPO
 from lit_rl.models import LoraSettings
+from lit_rl.plan_file import plan_fragment
 from lit_rl.planner import (
     _candidate,
     _floor_before,
@@ -21,7 +24,6 @@ from lit_rl.planner import (
     _micro_batch,
     describe,
     plan,
-    plan_fragment,
     plan_table,
     unreachable_line,
 )
@@ -30,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs/grpo_tiny.yaml")
 # fixed machine rates: the plan does not depend on this machine's load
 RATES = {
+    "device": "cpu",
     "dtypes": {
         "float32": {"matmul_flops_per_s": 1e11, "skinny_matmul_flops_per_s": 2e10},
         "bfloat16": {"matmul_flops_per_s": 2e11, "skinny_matmul_flops_per_s": 4e10},
@@ -66,6 +69,37 @@ def test_the_plan_is_the_fastest_candidate_that_fits(tight):
     assert any(c.peak > budget for c in found)  # the search saw candidates that do not fit
     assert not best.allowed and all(not c.allowed for c in found)  # nothing changes the arithmetic unless allowed
     assert "micro_batch_tokens" in best.overrides or best.every_n_layers  # a smaller micro-batch or checkpointing
+
+
+def test_a_plan_is_timed_at_the_rates_of_its_own_device_or_not_at_all(method, tight, monkeypatch):
+    """A CPU's rates would rank a GPU step's candidates wrongly (compute against bandwidth differs several-fold):
+    they are refused; with no rates for the device on this machine every candidate is untimed and the fewest passes
+    win, as for a step the roofline does not model."""
+    budget, _ = tight
+    with pytest.raises(ValueError, match=r"^--rates: measured on cpu \(unknown\), but the step runs on cuda; measure "
+                       r"the rates there: lit-rl rates --device cuda --out FILE$"):  # fmt: skip
+        plan(method, budget, rates=RATES, device_type="cuda", **SHAPE)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    best, found, base = plan(method, budget, device_type="cuda", **SHAPE)
+    assert best is not None and best.peak <= budget and len(found) > 1
+    assert all(c.seconds is None for c in found)
+    assert best.passes == min(c.passes for c in found if c.peak <= budget)
+    rows = plan_table(best, found, base, budget).splitlines()[2:-1]
+    assert len(rows) == len(found) and all(" n/m " in row for row in rows)
+
+
+def test_rates_of_another_device_are_refused_in_one_line(tmp_path, capsys):
+    rates, plan_file = tmp_path / "rates.json", tmp_path / "plan.yaml"
+    rates.write_text(json.dumps({**RATES, "machine": "AMD EPYC, 2 cores"}))
+    with pytest.raises(SystemExit) as exit_:
+        main(["estimate", "--config", TINY, "--device", "cuda", "--device-memory", "1GiB", "--plan", str(plan_file),
+              "--rates", str(rates)])  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and err[-1] == (
+        "error: --rates: measured on cpu (AMD EPYC, 2 cores), but the step runs on cuda; measure the rates there: "
+        "lit-rl rates --device cuda --out FILE"
+    )
+    assert not plan_file.exists()
 
 
 def test_the_floor_the_search_prunes_by_is_the_estimated_candidates(method):

@@ -18,7 +18,8 @@ from lit_rl.methods import RefCachedGRPO
 from lit_rl.models import sample_completions
 from lit_rl.models.sampling import rollout_chunks
 from lit_rl.models.tiny import tiny_model
-from lit_rl.planner import describe, plan, plan_fragment
+from lit_rl.plan_file import plan_fragment
+from lit_rl.planner import describe, plan
 
 
 @pytest.mark.parametrize(

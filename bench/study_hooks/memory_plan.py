@@ -90,8 +90,9 @@ cells = {"plan": plan, "budget": budget, "fits": fits, "step": step}
 
 
 def after(study: dict, arms: list, results: Path) -> list[str]:
-    """The planner's table for each ``scale`` entry (``config``, ``args``, ``budget``, ``allow``): the plan at each
-    budget a large model needs, from the estimate alone."""
+    """The planner's table for each ``scale`` entry (``config``, ``args``, ``budget``, ``allow``, and ``rates``: a
+    rates file of the step's device, passed where it exists): the plan at each budget a large model needs, from the
+    estimate alone."""
     runtime = study["runtime"]
     entries = study.get("quick", {}).get("scale", {}) if runtime.quick else study.get("scale", {})
     if not entries:
@@ -102,6 +103,8 @@ def after(study: dict, arms: list, results: Path) -> list[str]:
         saved, plan = runtime.out / f"scale_{slug}.log", runtime.out / f"scale_{slug}.yaml"
         args = ["estimate", "--config", spec["config"], *map(str, spec.get("args", [])),
                 "--device-memory", spec["budget"], "--allow", spec.get("allow", "")]  # fmt: skip
+        if spec.get("rates") and (harness.ROOT / spec["rates"]).is_file():  # the target device's, once measured
+            args += ["--rates", spec["rates"]]
         shown = shlex.join(["lit-rl", *args, "--plan", "plan.yaml"])
         made = saved.with_suffix(".json")  # the commit and load the table was made at (its time column's rates)
         if not (runtime.reuse and saved.is_file()):
@@ -120,6 +123,6 @@ def after(study: dict, arms: list, results: Path) -> list[str]:
         table = table[: table.index("")] if "" in table else table  # the table; not where this machine wrote the plan
         at = json.loads(made.read_text()) if made.is_file() else None
         when = [f"At commit {at['commit']}; 1-minute load average {at['load'][0]:.1f} before, {at['load'][1]:.1f} "
-                "after (the time column's rates are measured at the start).", ""] if at else []  # fmt: skip
+                "after (the table's last line says whose rates its times are at).", ""] if at else []  # fmt: skip
         lines += [f"### {title}", "", f"`{shown}`", "", *when, "```", *table, "```", ""]
     return lines

@@ -119,6 +119,27 @@ def best_of(*measured: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def rates_for(device_type: str, rates: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """The rates to time a step that runs on a ``device_type`` device: ``rates`` (a file's, measured on such a
+    device), else measured here (quick) where this machine has one, else ``None``: no time can be given.
+
+    Raises:
+        ValueError: ``rates`` measured on another kind of device, naming the command that measures the right ones
+            (matmul FLOPs per byte of bandwidth differ about fourfold between this project's CPU and its H100,
+            ``bench/results/roofline.md`` and ``bench/results/gpu.md``: candidates would be ranked wrongly).
+    """
+    if rates is not None:
+        if rates["device"] != device_type:
+            raise ValueError(
+                f"--rates: measured on {rates['device']} ({rates.get('machine', 'unknown')}), but the step runs on "
+                f"{device_type}; measure the rates there: lit-rl rates --device {device_type} --out FILE"
+            )
+        return rates
+    if device_type == "cuda" and not torch.cuda.is_available():
+        return None
+    return measure_rates(device_type, quick=True)
+
+
 def save_rates(rates: dict[str, Any], path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
