@@ -353,16 +353,9 @@ def main(argv: list[str] | None = None) -> None:
             raise
         print(f"error: {line}", file=sys.stderr)
         raise SystemExit(2) from None
-    _leave_process_group()
+    from lit_rl.strategies import leave_process_group  # imported last: no command starts slower for it
 
-
-def _leave_process_group() -> None:
-    """Destroy the process group of a distributed run that ended well. Lightning destroys only an NCCL group at exit;
-    a gloo group left to the interpreter's shutdown can abort the process (SIGABRT, "terminate called without an
-    active exception") while its worker threads still hold work (pytorch/pytorch#179291). Not after an error: a
-    process still inside a collective would wait in it (pytorch/torchtitan#1342)."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    leave_process_group()  # after a distributed run that ended well
 
 
 # ------------------------------------------------------------------------------------------------ subcommands

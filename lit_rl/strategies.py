@@ -6,15 +6,19 @@ and every frozen model the method holds (the full fine-tuning reference, GumbelT
 per decoder layer with the trunk as the root unit (:func:`lit_rl.models.sharding.shard_model`, whose docstring
 says why). A method needs no code of its own for it. Launch as any Lightning strategy: ``trainer.devices`` and
 ``trainer.num_nodes`` in the config, ``torchrun`` or SLURM for several machines (Lightning's own launchers).
+:func:`leave_process_group` ends every distributed run of ``lit-rl`` that ended well, whatever its strategy.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Literal
 
 import lightning.pytorch as pl
+import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_info
@@ -23,7 +27,10 @@ from typing_extensions import override
 
 from lit_rl.models.sharding import shard_models
 
-__all__ = ["FSDP2Strategy"]
+__all__ = ["FSDP2Strategy", "leave_process_group"]
+
+#: the OS names torch gives gloo's worker threads (``c10::setThreadName`` in ProcessGroupGloo)
+GLOO_WORKERS = ("pt_gloo_runloop",)
 
 
 class FSDP2Strategy(ModelParallelStrategy):
@@ -99,3 +106,47 @@ class FSDP2Strategy(ModelParallelStrategy):
     def model_to_device(self) -> None:
         if not self.cpu_offload:  # offloaded shards stay in host memory; FSDP moves what each forward needs
             super().model_to_device()
+
+
+def leave_process_group(timeout: float = 5.0) -> bool:
+    """End a distributed run that ended well: destroy the process group, then wait (at most ``timeout`` seconds,
+    giving up the GIL) until gloo's worker threads are idle. Returns whether they were (``True`` without a group).
+
+    A gloo worker thread drops its last collective's tensors after the caller's ``wait()`` has returned; a tensor that
+    Python no longer holds then needs the GIL to free its Python object. If the interpreter is finalizing by then, the
+    thread is ended inside C++ code that cannot unwind, and the process aborts after a run that succeeded (SIGABRT,
+    "terminate called without an active exception"; pytorch/pytorch#179291). ``destroy_process_group`` joins those
+    threads only when it drops the group's last reference, and after an FSDP2 fit something else still holds it
+    (its worker threads outlive ``destroy_process_group`` and a garbage collection; DTensor's caches still hold the
+    device mesh). So the threads must finish before the interpreter does: a thread is idle when the OS reports it
+    sleeping in three polls in a row. Not after an error: a process still inside a collective would wait in it
+    (pytorch/torchtitan#1342).
+    """
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return True
+    torch.distributed.destroy_process_group()
+    return _workers_idle(GLOO_WORKERS, timeout)
+
+
+def _workers_idle(names: tuple[str, ...], timeout: float, settle: int = 3, pause: float = 0.005) -> bool:
+    """Whether every thread of this process whose OS name is in ``names`` sleeps in ``settle`` polls in a row, within
+    ``timeout`` seconds (Linux's ``/proc``; elsewhere ``True`` at once)."""
+    tasks = Path("/proc/self/task")
+    if not tasks.is_dir():
+        return True
+    deadline, quiet = time.monotonic() + timeout, 0
+    while time.monotonic() < deadline:
+        quiet = 0 if any(_running(task, names) for task in tasks.iterdir()) else quiet + 1
+        if quiet >= settle:
+            return True
+        time.sleep(pause)  # gives up the GIL, which a thread freeing a tensor's Python object may be waiting for
+    return False
+
+
+def _running(task: Path, names: tuple[str, ...]) -> bool:
+    try:
+        if (task / "comm").read_text().strip() not in names:
+            return False
+        return (task / "stat").read_text().rsplit(")", 1)[1].split()[0] != "S"  # the state follows the (name)
+    except (OSError, IndexError):
+        return False  # the thread ended

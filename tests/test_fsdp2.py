@@ -9,9 +9,11 @@ averaged wrongly over the ranks (as gloo's reduce-scatter did in some torch rele
 
 from __future__ import annotations
 
+import ctypes
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -270,3 +272,40 @@ def test_the_estimate_of_one_sharded_process_is_what_each_process_holds(tmp_path
         for category in ("parameters", "optimizer_state"):
             one_process = whole.breakdown["optimizer"][category]
             assert abs(held[category] - one_process / 2) <= 0.05 * one_process, (category, held, one_process)
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads thread states from Linux's /proc")
+def test_leaving_waits_until_the_gloo_workers_sleep():
+    """A thread named as gloo's workers are, busy and then asleep: the wait sees the first and returns on the second
+    (the end of a run waits for gloo's workers to drop their last tensors before the interpreter finalizes)."""
+    from lit_rl.strategies import GLOO_WORKERS, _workers_idle
+
+    busy, done = threading.Event(), threading.Event()
+
+    def worker() -> None:
+        ctypes.CDLL(None).prctl(15, GLOO_WORKERS[0].encode(), 0, 0, 0)  # PR_SET_NAME: this thread's OS name
+        busy.set()
+        while not done.is_set():  # running
+            pass
+        threading.Event().wait(30)  # asleep, as a worker waiting for work
+
+    thread = threading.Thread(target=worker, daemon=True)
+    thread.start()
+    busy.wait(10)
+    assert _workers_idle(GLOO_WORKERS, timeout=0.3) is False
+    done.set()
+    assert _workers_idle(GLOO_WORKERS, timeout=10) is True
+
+
+def test_leaving_destroys_the_group_that_something_still_holds():
+    """Under FSDP2 DTensor's caches hold the device mesh and its group past ``destroy_process_group``; leaving still
+    ends the group and returns once its workers are idle, and is a no-op without a group."""
+    from lit_rl.strategies import leave_process_group
+
+    assert leave_process_group() is True  # no group
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    held = torch.distributed.group.WORLD
+    for _ in range(10):
+        torch.distributed.all_reduce(torch.ones(100))  # temporaries, as the end of a fit's collectives are
+    assert leave_process_group(timeout=30) is True
+    assert not torch.distributed.is_initialized() and held is not None
