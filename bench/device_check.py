@@ -665,8 +665,8 @@ def part_rates(args, cases, sizes, record) -> None:
     record("rates", device, measure)
 
 
-PARTS = {"rates": part_rates, "peaks": part_peaks, "decode": part_decode, "tactics": part_tactics, "oom": part_oom, "vs_trl": part_vs_trl,
-         "fsdp2": part_fsdp2, "peaks_large": part_peaks_large}  # fmt: skip
+PARTS = {"rates": part_rates, "peaks": part_peaks, "decode": part_decode, "tactics": part_tactics, "oom": part_oom,
+         "vs_trl": part_vs_trl, "fsdp2": part_fsdp2, "peaks_large": part_peaks_large}  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------ the results
@@ -910,7 +910,8 @@ def main(argv: list[str] | None = None) -> dict:
     command = "python bench/device_check.py" + (" " + " ".join(argv if argv is not None else sys.argv[1:])).rstrip()
     results: dict[str, Any] = {"command": command.strip(), "quick": args.quick, "environment": environment(),
                                "parts": args.parts, "seconds": {}, "finished": False, "allocated_stat": "steady",
-                               **{part: {} for part in ("rates", "peaks", "decode", "tactics", "oom", "vs_trl", "fsdp2")}}  # fmt: skip
+                               **{part: {} for part in ("rates", "peaks", "decode", "tactics", "oom", "vs_trl",
+                                                        "fsdp2")}}  # fmt: skip
 
     def save() -> None:
         out.parent.mkdir(parents=True, exist_ok=True)
