@@ -304,8 +304,9 @@ def test_leaving_destroys_the_group_that_something_still_holds():
 
     assert leave_process_group() is True  # no group
     torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
-    held = torch.distributed.group.WORLD
+    held = torch.distributed.group.WORLD  # a reference kept past the destruction, as FSDP2's caches keep one
     for _ in range(10):
         torch.distributed.all_reduce(torch.ones(100))  # temporaries, as the end of a fit's collectives are
     assert leave_process_group(timeout=30) is True
-    assert not torch.distributed.is_initialized() and held is not None
+    assert not torch.distributed.is_initialized()
+    del held

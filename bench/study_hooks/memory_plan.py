@@ -106,7 +106,7 @@ def after(study: dict, arms: list, results: Path) -> list[str]:
         if spec.get("rates") and (harness.ROOT / spec["rates"]).is_file():  # the target device's, once measured
             args += ["--rates", spec["rates"]]
         shown = shlex.join(["lit-rl", *args, "--plan", "plan.yaml"])
-        made = saved.with_suffix(".json")  # the commit and load the table was made at (its time column's rates)
+        made = saved.with_suffix(".json")  # the commit and load the table was made at (rates measured then vary)
         if not (runtime.reuse and saved.is_file()):
             cmd = [sys.executable, "-m", "lit_rl", *args, "--plan", str(plan)]
             print(f"+ {shlex.join(cmd)}", file=sys.stderr, flush=True)
