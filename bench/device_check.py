@@ -369,8 +369,8 @@ def copy_bandwidth(device: torch.device) -> float:
 
 
 # each decode side: sample_completions' own_decode; "fast" is the own loop with fast_draw (ended rows dropped, one
-# uniform number per token)
-DECODE_SIDES = {"generate": False, "own": "own", "fast": "own", "compiled": "compiled"}
+# uniform number per token); "lean" the loop with its token step written out (lit_rl/models/lean_step.py)
+DECODE_SIDES = {"generate": False, "own": "own", "fast": "own", "compiled": "compiled", "lean": "lean"}
 
 
 def part_decode(args, cases, sizes, record) -> None:
@@ -800,12 +800,12 @@ def render(results: dict) -> str:
     bandwidth = decode.get("bandwidth", {}).get("copy_bytes_per_s")
     lines.append(f"Copy bandwidth measured: {_f(bandwidth and bandwidth / 1e12, '.2f')} TB/s (bytes read + written).")
     lines += ["", "| model | new tokens | rows | generate | own loop | own loop, fast draw | compiled (CUDA graphs) | "
-              "floor |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+              "lean step | floor |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
     for key, entry in decode.items():
         if key == "bandwidth":
             continue
         if "lengths" not in entry:
-            lines.append(f"| {key} | **failed** | {entry.get('error')} | | | | | |")
+            lines.append(f"| {key} | **failed** | {entry.get('error')} | | | | | | |")
             continue
         for length, row in entry["lengths"].items():
             floor = entry["rows"] * bandwidth / entry["weight_bytes"] if bandwidth else None

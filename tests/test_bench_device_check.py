@@ -67,7 +67,7 @@ def test_peaks_have_every_phase_measured_and_predicted(run):
 def test_decode_tactics_and_oom_report_what_needs_cuda(run):
     results, _, rendered = run
     decode = results["decode"]["tiny:qwen2 bfloat16"]
-    for side in ("generate", "own", "compiled"):
+    for side in ("generate", "own", "compiled", "lean"):
         assert decode["lengths"]["8"][side]["tokens_per_s"] > 0, side
     assert results["decode"]["bandwidth"]["copy_bytes_per_s"] > 0
     tactics = results["tactics"]

@@ -151,6 +151,14 @@ def _rollout_samplers(column: dict[str, tuple[str, ...]], arms: list[str], text:
     assert "rollout_samplers.json" in text
 
 
+def _rollout_lean(column: dict[str, tuple[str, ...]], arms: list[str], text: str) -> None:
+    """The lean step's rollout has seconds and a share of its floor beside the loop's, and its log-probs' gap."""
+    assert all(float(s) > 0 for s in column["rollout s"]) and all(float(t) > 0 for t in column["tokens/s"]), column
+    assert all(share.endswith("%") for share in column["rollout floor / measured"]), column
+    assert "rollout_lean.json" in text and "rollout_lean_rates.json" in text
+    assert all(gap != "-" for gap in column["mean abs Δ log p"]), column
+
+
 def _memory_plan(column: dict[str, tuple[str, ...]], arms: list[str], text: str) -> None:
     """The planned arm fits its budget; the plans at scale are the planner's own tables, with the command."""
     assert column["fits"][arms.index("2GiB")] == "yes", column
@@ -170,6 +178,7 @@ CHECKS = {  # a study's own assertions on its quick table (by column) and result
     "allocator": _allocator,
     "bf16_cpu": _bf16_cpu,
     "rollout_samplers": _rollout_samplers,
+    "rollout_lean": _rollout_lean,
     "memory_plan": _memory_plan,
 }
 

@@ -215,4 +215,6 @@ def test_a_bad_decode_value_is_one_line(capsys):
         main(["fit", "--config", str(config), "--model.init_args.decode", "compile"])
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
     assert stop.value.code == 2
-    assert lines == ["error: model.decode: 'compile' is not one of 'own', 'compiled', 'generate'; use one of them"]
+    assert lines == [
+        "error: model.decode: 'compile' is not one of 'own', 'compiled', 'lean', 'generate'; use one of them"
+    ]

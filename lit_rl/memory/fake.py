@@ -228,7 +228,7 @@ def fake_generate(
     """
 
     def generate(*args, **kwargs):
-        eager_loop = own_decode is True or own_decode == "own"
+        eager_loop = own_decode is True or own_decode in ("own", "lean")  # both hold the casts
         with linear_weights_cast_once(policy) if eager_loop else contextlib.nullcontext():
             return run(*args, **kwargs)
 

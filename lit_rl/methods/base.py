@@ -153,7 +153,9 @@ class RLMethod(HeldOutEvaluation, TextAndRewards, StandaloneStep, L.LightningMod
         decode: ``own``: rollouts and held-out completions from :func:`lit_rl.models.decode.decode` (a preallocated
             KV cache, the same tokens as ``generate``) where the model passes its load-time check, else ``generate``
             with the reason said once; ``compiled``: that loop with its one-token step through ``torch.compile``
-            (:mod:`lit_rl.models.compiled_decode`; each new rollout shape compiles first); ``generate``: always it.
+            (:mod:`lit_rl.models.compiled_decode`; each new rollout shape compiles first); ``lean``: that loop with
+            its one-token step written out for Llama-family models (:mod:`lit_rl.models.lean_step`; others run
+            ``own``, said once); ``generate``: always it.
     """
 
     phase_names: ClassVar[tuple[str, ...]] = (BACKWARD, OPTIMIZER)
@@ -181,7 +183,7 @@ class RLMethod(HeldOutEvaluation, TextAndRewards, StandaloneStep, L.LightningMod
         max_nonfinite_steps: int = 3,
         metric_funcs: list[str] | None = None,
         evaluation: EvalSettings | None = None,
-        decode: Literal["own", "compiled", "generate"] = "own",
+        decode: Literal["own", "compiled", "lean", "generate"] = "own",
         optimizer: dict[str, Any] | None = None,
         reference_dtype: Literal["same", "bfloat16", "float16"] = "same",
     ) -> None:
@@ -225,7 +227,7 @@ class RLMethod(HeldOutEvaluation, TextAndRewards, StandaloneStep, L.LightningMod
         self.last_evaluation: dict[str, float] = {}
         #: shapes of the latest step that set its memory (``prompt_length``, ``new_tokens``: the longest completion)
         self.step_shape: dict[str, int] = {}
-        self.own_decode: str | bool = False  # False (generate), "own" or "compiled", decided when the policy loads
+        self.own_decode: str | bool = False  # False (generate), "own", "compiled" or "lean", chosen at load
         #: the context each update micro-batch's forward runs in (ActivationOffloading sets saved-tensor hooks)
         self.update_forward: Callable[[], Any] = nullcontext
 

@@ -2,12 +2,13 @@
 
 See :mod:`lit_rl.models.loading` for what ``name_or_path`` accepts and :mod:`lit_rl.models.head` for the
 trunk, the head spec and the load-time parity check. Also here: the own decode loop's load-time checks
-(:func:`decode_unsupported`, :func:`compile_unsupported`: why ``model.decode: own`` or ``compiled`` would fall back
-to ``generate`` for a model), the compiled step's compile seconds per shape (:func:`compile_seconds`), a decode
-step's attention with its grouped query heads packed (:func:`packed_sdpa_forward`: what half-precision decoding
-runs on a CPU), the decode loop's weights cast once per rollout (:func:`linear_weights_cast_once`, packed for oneDNN
-where bf16 runs there, and float32 weights packed too within :func:`float32_weights_packed`), and the tiny random
-models' parts built in memory for tests (:func:`tiny_config`, :func:`tiny_tokenizer`).
+(:func:`decode_unsupported`, :func:`compile_unsupported`, :func:`lean_unsupported`: why ``model.decode: own``,
+``compiled`` or ``lean`` would fall back for a model), the compiled step's compile seconds per shape
+(:func:`compile_seconds`), a decode step's attention with its grouped query heads packed
+(:func:`packed_sdpa_forward`: what half-precision decoding runs on a CPU), the decode loop's weights cast once per
+rollout (:func:`linear_weights_cast_once`, packed for oneDNN where bf16 runs there, and float32 weights packed too
+within :func:`float32_weights_packed`), and the tiny random models' parts built in memory for tests
+(:func:`tiny_config`, :func:`tiny_tokenizer`).
 """
 
 from lit_rl.models.cache_keyword import cache_keyword, cache_kwargs, output_cache
@@ -27,6 +28,7 @@ from lit_rl.models.head import (
     trunk,
     trunk_hidden,
 )
+from lit_rl.models.lean_step import lean_unsupported
 from lit_rl.models.loading import (
     DTYPES,
     EMBEDDED,
@@ -103,6 +105,7 @@ __all__ = [
     "gather_trunk",
     "head_spec",
     "keeps_bf16_updates",
+    "lean_unsupported",
     "linear_weights_cast_once",
     "lm_head",
     "load_causal_lm",

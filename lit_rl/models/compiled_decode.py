@@ -52,6 +52,7 @@ from transformers.cache_utils import StaticLayer
 from lit_rl.models.cache_keyword import cache_kwargs
 from lit_rl.models.decode import decode, decode_unsupported, weights_are_real
 from lit_rl.models.head import base_model
+from lit_rl.models.lean_step import lean_unsupported
 
 __all__ = [
     "StaticSteps",
@@ -247,7 +248,8 @@ def compile_unsupported(model) -> str | None:
 
 
 def choose_decode(model, requested: str, name: str) -> tuple[str | bool, str | None]:
-    """What ``model.decode: requested`` runs for ``model``: ``(False | "own" | "compiled", the line saying why not)``.
+    """What ``model.decode: requested`` runs for ``model``: ``(False | "own" | "compiled" | "lean", the line saying
+    why not)``.
 
     ``False`` is ``generate``. ``name``: the model's name in the line.
     """
@@ -256,8 +258,8 @@ def choose_decode(model, requested: str, name: str) -> tuple[str | bool, str | N
     reason = decode_unsupported(model)
     if reason is not None:
         return False, f"model.decode: transformers' generate for {name}, {reason}"
-    if requested == "compiled":
-        reason = compile_unsupported(model)
+    if requested in ("compiled", "lean"):
+        reason = compile_unsupported(model) if requested == "compiled" else lean_unsupported(model)
         if reason is not None:
             return "own", f"model.decode: the eager loop for {name}, {reason}"
     return requested, None

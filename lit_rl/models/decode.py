@@ -256,7 +256,9 @@ def decode(
     after the prefill in place of the model's forward over the preallocated cache, or ``None``; its
     ``start(cache, mask [B, P + N])`` takes the prefilled cache (``False``: not taken, the forward goes on), a call
     ``step(tokens [B, 1], positions [B, 1])`` returns ``[B, V]`` logits
-    (:class:`lit_rl.models.compiled_decode.StaticSteps`).
+    (:class:`lit_rl.models.compiled_decode.StaticSteps`, :class:`lit_rl.models.lean_step.LeanSteps`); a step whose
+    ``casts_weights`` is true keeps the loop's weight casts around it, one with ``keep_rows(rows [A])`` follows
+    ``drop_ended``.
 
     ``return_logprobs``: also return the sampler's log-prob of each new token, ``[B, C]`` float32: its logit under
     ``temperature`` minus the log-sum-exp of all of them, before ``min_new_tokens``, top-k and top-p (the quantity
@@ -268,8 +270,8 @@ def decode(
     still decoding are scattered into a ``[B, V]`` table (uniform in the ended rows) before ``torch.multinomial``,
     which draws each row from its own slice of the noise, so the tokens are the ones the full batch would draw as
     long as the forward gives a row the same logits in a smaller batch (batch invariance; on this CPU it does in
-    the tests, a GPU's kernels may pick another reduction order per batch size). No effect with ``step``
-    (static shapes) or on fake tensors (an estimate charges the full batch).
+    the tests, a GPU's kernels may pick another reduction order per batch size). No effect with a ``step``
+    without ``keep_rows`` (static shapes) or on fake tensors (an estimate charges the full batch).
 
     ``draw``: ``multinomial`` (``generate``'s draw: its tokens for the same random state) or ``inverse_cdf``
     (:func:`inverse_cdf_draw`: the same distribution from one uniform number per row, other tokens than
@@ -296,7 +298,8 @@ def decode(
     rows: slice | torch.Tensor = slice(None)  # the rows still decoding: all, or batch indices [A] (drop_ended)
     length = p
     # under mixed precision each weight is cast once for the rollout, not at every token (the same numbers)
-    with linear_weights_cast_once(model) if step is None else contextlib.nullcontext():
+    casts = step is None or getattr(step, "casts_weights", False)  # a step that calls the projections keeps them
+    with linear_weights_cast_once(model) if casts else contextlib.nullcontext():
         for produced in range(max_new_tokens):
             fed = sequences[rows, cached:length]  # [A, new]
             if produced and step is not None:
@@ -339,15 +342,22 @@ def decode(
             running = _running(unfinished)
             if running == 0:
                 break
-            if drop_ended and step is None and running is not None and running < unfinished.shape[0]:
+            if drop_ended and running is not None and running < unfinished.shape[0] and _drops(step):
                 keep = unfinished.nonzero().squeeze(1)  # [A'] positions among the rows still decoding
                 rows = keep if isinstance(rows, slice) else rows[keep]
                 for layer in cache.layers:
                     layer.keep_rows(keep)
+                if step is not None:
+                    step.keep_rows(keep)
                 mask, positions, unfinished = mask[keep], positions[keep], unfinished[keep]
     if logprobs is not None:
         return sequences[:, :length], logprobs[:, : length - p]
     return sequences[:, :length]
+
+
+def _drops(step) -> bool:
+    """Whether rows can leave the batch: the model's own forward, or a step that follows them (``keep_rows``)."""
+    return step is None or hasattr(step, "keep_rows")
 
 
 def inverse_cdf_draw(probs: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,7 @@ from lit_rl.models.cast_once import float32_packing_unsupported, float32_weights
 from lit_rl.models.compiled_decode import compiled_decode
 from lit_rl.models.decode import decode, sampling_settings, weights_are_real
 from lit_rl.models.decode_attention import packed_decode_attention
+from lit_rl.models.lean_step import lean_decode
 from lit_rl.models.merged_lora import lora_merged
 from lit_rl.models.notices import say_once
 from lit_rl.models.sharding import gathered
@@ -53,7 +54,8 @@ def sample_completions(
     prompts up to floating-point order. With ``own_decode`` (decided per model at load time: ``True`` or ``"own"``)
     the tokens come from :func:`lit_rl.models.decode.decode`, the same tokens as ``policy.generate`` in fewer
     seconds, with ``"compiled"`` from :func:`lit_rl.models.compiled_decode.compiled_decode` (its step compiled,
-    logits close to ``generate``'s); ``generate`` runs where a setting of the merged generation config is not one
+    logits close to ``generate``'s), with ``"lean"`` from :func:`lit_rl.models.lean_step.lean_decode` (its step
+    written out, logits close to ``generate``'s); ``generate`` runs where a setting of the merged generation config is not one
     the loop implements, and on fake tensors (where the estimator stands in for ``generate``).
 
     ``return_logprobs``: ``(sequences, sampler log-probs [B * repeats, C] or None)``: the decode loops record them
@@ -106,8 +108,8 @@ def sample_completions(
         input_ids = input_ids.repeat_interleave(repeats, dim=0)  # [B * repeats, P]
         attention_mask = attention_mask.repeat_interleave(repeats, dim=0)
         if settings is not None:
-            run = compiled_decode if own_decode == "compiled" else decode
-            fast = dict(drop_ended=True, draw="inverse_cdf") if fast_draw and run is decode else {}
+            run = {"compiled": compiled_decode, "lean": lean_decode}.get(own_decode, decode)
+            fast = dict(drop_ended=True, draw="inverse_cdf") if fast_draw and run is not compiled_decode else {}
             return run(
                 policy, input_ids, attention_mask, eos=eos, pad_id=pad_id, cache=cache,
                 return_logprobs=return_logprobs, **settings, **fast,
