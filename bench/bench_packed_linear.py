@@ -9,7 +9,8 @@ into oneDNN's layout once and calls oneDNN's linear on it (lit_rl/models/cast_on
 linears (30 layers of seven projections, and the head once). Below the table, the resident memory one packed copy
 adds (``/proc/self/statm`` around packed casts of the larger shapes, at least ``--megabytes`` of them, so that
 memory the allocator freed before is a small part) beside its dense bf16 bytes: the
-estimator and the tensor tracker count a packed weight at its dense bytes.
+estimator and the tensor tracker count a packed weight at its dense bytes. Last, a whole decode step's linears with a
+weight of its own for every layer, as a rollout reads them from memory, beside one sum over the same bytes.
 
 ``--float32``: the same layers in float32, without autocast: ``F.linear`` on the float32 weight (what the exact decode
 loop runs) against the layer inside ``float32_weights_packed`` and ``linear_weights_cast_once``, which packs a
@@ -115,6 +116,47 @@ def measure(args) -> list[list[str]]:
     return rows
 
 
+def streamed(args, packs: bool) -> list[str]:
+    """A whole decode step's linears with a weight of its own for every projection of every layer, as a rollout reads
+    them (about 540 MB in float32: more than any cache holds, so each step streams them from memory), ``F.linear``
+    against the packed copies, beside one sum over the same bytes (a read at the rate this process can stream)."""
+    dtype = weight_dtype(args)
+    shapes = list(SHAPES.values())[:2] if args.quick else SHAPES.values()  # quick: one q/o and one k/v weight
+    sizes = [(out, inp) for out, inp, uses in shapes for _ in range(1 if args.quick else uses)]
+    flat = torch.empty(sum(o * i for o, i in sizes), dtype=dtype)  # every weight a view of one buffer: the sum reads it
+    flat.normal_(std=0.03, generator=torch.Generator().manual_seed(1))
+    weights, start = [], 0
+    for out, inp in sizes:
+        weights.append(flat[start : start + out * inp].view(out, inp))
+        start += out * inp
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w) for w in weights] if packs else weights
+    gigabytes = flat.numel() * dtype.itemsize / 1e9
+    rows = []
+    for n in args.rows:
+        inputs = {inp: torch.randn(n, inp).to(dtype) for _, inp in sizes}  # [rows, in]: one token of each row
+        sides = {"F.linear": lambda x=inputs: [F.linear(x[w.shape[1]], w) for w in weights]}
+        if packs:
+            sides["packed"] = lambda x=inputs: [torch.ops.mkldnn._linear_pointwise(x[i], w, None, "none", [], "")
+                                                for (_, i), w in zip(sizes, packed)]  # fmt: skip
+        times = {side: harness.best_seconds(fn, 5) for side, fn in sides.items()}
+        read = harness.best_seconds(flat.sum, 5)
+        rows.append([n, *(f"{times[s] * 1e3:.1f}" for s in sides), *(f"{gigabytes / times[s]:.1f}" for s in sides),
+                     f"{gigabytes / read:.1f}", f"{harness.load_average():.1f}"])  # fmt: skip
+    header = ["rows", *(f"{s} ms" for s in times), *(f"{s} GB/s" for s in times), "sum GB/s", "load"]
+    return [
+        "",
+        "## A whole decode step, every weight read from memory",
+        "",
+        f"The same projections with a weight of its own for each of the {LAYERS} layers and the head "
+        f"({gigabytes:.2f} GB of {kind(args)} weights), one decode step's linears called in order: milliseconds per "
+        "step (the best of 5 steps), the weights' bytes over that time, and one sum over the same bytes (the best of "
+        "5), the rate this process streams them at. The table above times one weight called again and again, which "
+        "stays in cache; here, as in a rollout, none does. Both depend on the machine and its load.",
+        "",
+        *harness.markdown_table(header, rows),
+    ]
+
+
 def resident_bytes() -> int:
     """This process's resident set size now (Linux)."""
     return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -177,6 +219,7 @@ def main(argv: list[str] | None = None) -> str:
         "",
         *harness.markdown_table([c.replace("cast", "F.linear") for c in COLUMNS] if args.float32 else COLUMNS, rows),
         *(["", "Resident memory of a packed copy (it does not depend on load):", "", *held] if held else []),
+        *streamed(args, packs),
     ]
     return harness.write_results(lines, args.out)
 

@@ -315,6 +315,9 @@ def test_bench_packed_linear_quick_table(capsys):
     rows = [line.split(" | ") for line in text.splitlines() if line.startswith("| q") or line.startswith("| k")]
     assert [(r[0].strip("| "), r[2]) for r in rows] == [(p, n) for n in ("8", "32") for p in ("q, o", "k, v")]
     assert all(r[8] == "yes" for r in rows)  # the packed layer's outputs equal F.linear's on the cast
+    streamed = text.split("## A whole decode step, every weight read from memory", 1)[1]
+    cells = [line.split(" | ") for line in streamed.splitlines() if re.match(r"\| (8|32) \|", line)]
+    assert len(cells) == 2 and all(float(c) > 0 for row in cells for c in row[1:-1]), streamed
     with load_bench("bench_packed_linear.py") as bench:
         text = bench.main(["--quick", "--float32"])
     rows = [line.split(" | ") for line in text.splitlines() if line.startswith("| q") or line.startswith("| k")]

@@ -1,15 +1,16 @@
 """``model.decode: lean``: the decode loop with its one-token step written out for Llama-family decoders.
 
-Why: after the prefill a rollout feeds one token per row at a time, and on a CPU a few rows' token step through
-transformers' forward is mostly not arithmetic. The projections' matmuls, packed for oneDNN, take a third of the
-step on the embedded model (``bench/results/packed_linear_float32.md`` against ``bench/results/rollout_samplers.md``);
-the rest is each layer's module calls, keyword plumbing, mask and cache bookkeeping and a few dozen small kernels.
-:class:`LeanSteps` runs the same layer as a plain loop over the model's own modules: per layer two norms, the
-projections, RoPE, one write of the new key and value into the loop's preallocated cache and one attention call
-with the query heads packed per key-value head (a one-token query of ``group`` heads is a ``group``-token query
+Why: after the prefill a rollout feeds one token per row at a time, and a few rows' token step through
+transformers' forward wraps its skinny matmuls in each layer's module calls, keyword plumbing, mask and cache
+bookkeeping and a few dozen small kernels. :class:`LeanSteps` runs the same layer as a plain loop over the model's
+own modules: per layer two norms, the projections, RoPE, one write of the new key and value into the loop's
+preallocated cache and one attention call with the query heads packed per key-value head (a one-token query of ``group`` heads is a ``group``-token query
 against the same keys: transformers' ``pack_gqa``, :mod:`lit_rl.models.decode_attention`). It is the step of
 :func:`lit_rl.models.decode.decode`, so sampling, EOS, ``min_new_tokens``, the fast draw and the log-probs are that
-loop's, unchanged. ``bench/results/rollout_samplers.md`` measures it beside the other samplers.
+loop's, unchanged. ``bench/results/rollout_lean.md`` measures it beside the other samplers on a CPU: it gains on
+the plain float32 loop and not on the packed float32 or bf16 samplers, whose token step is mostly the projections
+reading their weights from memory (``bench/results/packed_linear_float32.md``, its last table). The GPU check
+(``bench/device_check.py``) puts it beside the other loops where kernel launches, not memory, bound a step.
 
 What it keeps of the model: the norms, the rotary tables and every projection are called through the modules' own
 ``forward`` (so a packed, cast or merged weight, :mod:`lit_rl.models.cast_once` and
