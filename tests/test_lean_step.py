@@ -153,6 +153,9 @@ def test_models_it_does_not_write_out_run_the_own_loop():
     scaled = tiny_model("llama", seed=1)
     scaled.config.logits_scaling = 2.0  # Granite's; a Llama layer's structure with other math
     assert "logits_scaling" in lean_unsupported(scaled)
+    one_norm = _qwen3()
+    del one_norm.model.layers[1].self_attn.k_norm  # a query norm without a key norm is not Qwen3's layer
+    assert "is not a pre-norm attention block" in lean_unsupported(one_norm)
 
 
 def test_a_step_whose_tokens_differ_from_generate_is_refused(monkeypatch):

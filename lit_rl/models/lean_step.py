@@ -4,13 +4,14 @@ Why: after the prefill a rollout feeds one token per row at a time, and a few ro
 transformers' forward wraps its skinny matmuls in each layer's module calls, keyword plumbing, mask and cache
 bookkeeping and a few dozen small kernels. :class:`LeanSteps` runs the same layer as a plain loop over the model's
 own modules: per layer two norms, the projections, RoPE, one write of the new key and value into the loop's
-preallocated cache and one attention call with the query heads packed per key-value head (a one-token query of ``group`` heads is a ``group``-token query
-against the same keys: transformers' ``pack_gqa``, :mod:`lit_rl.models.decode_attention`). It is the step of
-:func:`lit_rl.models.decode.decode`, so sampling, EOS, ``min_new_tokens``, the fast draw and the log-probs are that
-loop's, unchanged. ``bench/results/rollout_lean.md`` measures it beside the other samplers on a CPU: it gains on
-the plain float32 loop and not on the packed float32 or bf16 samplers, whose token step is mostly the projections
-reading their weights from memory (``bench/results/packed_linear_float32.md``, its last table). The GPU check
-(``bench/device_check.py``) puts it beside the other loops where kernel launches, not memory, bound a step.
+preallocated cache and one attention call with the query heads packed per key-value head (a one-token query of
+``group`` heads is a ``group``-token query against the same keys: transformers' ``pack_gqa``,
+:mod:`lit_rl.models.decode_attention`). It is the step of :func:`lit_rl.models.decode.decode`, so sampling, EOS,
+``min_new_tokens``, the fast draw and the log-probs are that loop's, unchanged. ``bench/results/rollout_lean.md``
+measures it beside the other samplers on a CPU: it gains on the plain float32 loop and not on the packed float32
+or bf16 samplers, whose token step is mostly the projections reading their weights from memory
+(``bench/results/packed_linear_float32.md``, its last table). The GPU check (``bench/device_check.py``) puts it
+beside the other loops, where kernel launches, not memory, may bound a step.
 
 What it keeps of the model: the norms, the rotary tables and every projection are called through the modules' own
 ``forward`` (so a packed, cast or merged weight, :mod:`lit_rl.models.cast_once` and
@@ -48,6 +49,7 @@ _TRUNK = {"embed_tokens", "layers", "norm", "rotary_emb"}
 _LAYER = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
 _ATTENTION = {"q_proj", "k_proj", "v_proj", "o_proj"}
 _MLP = {"gate_proj", "up_proj", "down_proj", "act_fn"}
+_NORMS = {"q_norm", "k_norm"}
 # configuration that changes the math of a layer the structure above does not show
 _SCALINGS = ("embedding_multiplier", "residual_multiplier", "logits_scaling", "attn_logit_softcapping",
              "final_logit_softcapping")  # fmt: skip
@@ -85,8 +87,8 @@ def lean_unsupported(model) -> str | None:
     if trunk is None or _children(trunk) != _TRUNK or hf.get_output_embeddings() is None:
         return "its decoder is not embed_tokens, layers, norm and rotary_emb under an LM head"
     for layer in trunk.layers:
-        attention = _children(layer.self_attn)
-        if _children(layer) != _LAYER or not _ATTENTION <= attention <= _ATTENTION | {"q_norm", "k_norm"}:
+        attention = _children(layer.self_attn)  # the projections, and nothing else or Qwen3's two per-head norms
+        if _children(layer) != _LAYER or not _ATTENTION <= attention or attention - _ATTENTION not in (set(), _NORMS):
             return f"its layer {type(layer).__name__} is not a pre-norm attention block and MLP"
         if _children(layer.mlp) != _MLP or config.hidden_act != "silu":
             return f"its MLP is not SiLU-gated (hidden_act {config.hidden_act!r})"

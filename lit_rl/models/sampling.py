@@ -55,8 +55,8 @@ def sample_completions(
     the tokens come from :func:`lit_rl.models.decode.decode`, the same tokens as ``policy.generate`` in fewer
     seconds, with ``"compiled"`` from :func:`lit_rl.models.compiled_decode.compiled_decode` (its step compiled,
     logits close to ``generate``'s), with ``"lean"`` from :func:`lit_rl.models.lean_step.lean_decode` (its step
-    written out, logits close to ``generate``'s); ``generate`` runs where a setting of the merged generation config is not one
-    the loop implements, and on fake tensors (where the estimator stands in for ``generate``).
+    written out, logits close to ``generate``'s); ``generate`` runs where a setting of the merged generation config
+    is not one the loop implements, and on fake tensors (where the estimator stands in for ``generate``).
 
     ``return_logprobs``: ``(sequences, sampler log-probs [B * repeats, C] or None)``: the decode loops record them
     (:func:`lit_rl.models.decode.decode`); ``generate`` does not (``None``), except on fake tensors, where zeros of
