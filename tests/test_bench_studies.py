@@ -144,17 +144,20 @@ def _bf16_cpu(column: dict[str, tuple[str, ...]], arms: list[str], text: str) ->
     assert all(w.endswith("%") for w in column["weights moved"]) and all(float(s) > 0 for s in column["CPU s"])
 
 
-def _rollout_samplers(column: dict[str, tuple[str, ...]], arms: list[str], text: str) -> None:
+def _sampler_rollouts(column: dict[str, tuple[str, ...]]) -> None:
     """Every sampler's rollout has seconds, tokens per second and a share of its floor."""
     assert all(float(s) > 0 for s in column["rollout s"]) and all(float(t) > 0 for t in column["tokens/s"]), column
     assert all(share.endswith("%") for share in column["rollout floor / measured"]), column
+
+
+def _rollout_samplers(column: dict[str, tuple[str, ...]], arms: list[str], text: str) -> None:
+    _sampler_rollouts(column)
     assert "rollout_samplers.json" in text
 
 
 def _rollout_lean(column: dict[str, tuple[str, ...]], arms: list[str], text: str) -> None:
-    """The lean step's rollout has seconds and a share of its floor beside the loop's, and its log-probs' gap."""
-    assert all(float(s) > 0 for s in column["rollout s"]) and all(float(t) > 0 for t in column["tokens/s"]), column
-    assert all(share.endswith("%") for share in column["rollout floor / measured"]), column
+    """The lean step's rollout as every sampler's, beside the loop's, and its log-probs' gap."""
+    _sampler_rollouts(column)
     assert "rollout_lean.json" in text and "rollout_lean_rates.json" in text
     assert all(gap != "-" for gap in column["mean abs Δ log p"]), column
 
