@@ -31,6 +31,7 @@ from lit_rl.models.compiled_decode import (
     static_capacity,
 )
 from lit_rl.models.decode import decode, sampling_settings
+from lit_rl.models.lean_step import LeanSteps
 from lit_rl.models.shared_prompt import shared_prefill
 from lit_rl.models.tiny import tiny_model
 
@@ -193,13 +194,17 @@ def test_load_time_choice_and_its_fallbacks():
     assert mode is False and line.startswith("model.decode: transformers' generate for mistral, ")
 
 
-def test_a_step_the_eager_check_rejects_keeps_the_eager_loop(monkeypatch):
-    """A static step whose tokens differ from generate's (here: logits shifted by one token) is refused at load."""
+@pytest.mark.parametrize(
+    "requested, steps, said", [("compiled", StaticSteps, "its static-cache step"), ("lean", LeanSteps, "its lean step")]
+)
+def test_a_step_the_eager_check_rejects_keeps_the_eager_loop(monkeypatch, requested, steps, said):
+    """A step (static, or the lean one) whose tokens differ from generate's (here: logits shifted by one token) is
+    refused at load."""
     llama = tiny_model("llama", seed=1)
-    original = StaticSteps.__call__
-    monkeypatch.setattr(StaticSteps, "__call__", lambda self, *a: original(self, *a).roll(1, dims=-1))
-    mode, line = choose_decode(llama, "compiled", "tiny")
-    assert mode == "own" and line.startswith("model.decode: the eager loop for tiny, its static-cache step: ")
+    original = steps.__call__
+    monkeypatch.setattr(steps, "__call__", lambda self, *a: original(self, *a).roll(1, dims=-1))
+    mode, line = choose_decode(llama, requested, "tiny")
+    assert mode == "own" and line.startswith(f"model.decode: the eager loop for tiny, {said}: ")
 
 
 def test_methods_accept_decode_compiled():

@@ -5,7 +5,8 @@ of the sampled tokens match the own loop's to float32 rounding and its tokens ar
 on llama, qwen2 and qwen3 (per-head query and key norms) with left padding, a shared-prompt prefill, temperature
 != 1 and top-k, rows that end at different steps and leave the batch (the fast draw), LoRA adapters merged or not,
 float32 weights packed for oneDNN, and bf16 weights. Models it does not write out are refused at load time (the
-own loop runs, said in one line), and a model with forward hooks keeps the loop's forward.
+own loop runs, said in one line; a step whose tokens differ from ``generate``'s is refused as the compiled one is, in
+tests/test_compiled_decode.py), and a model with forward hooks keeps the loop's forward.
 """
 
 from __future__ import annotations
@@ -156,14 +157,6 @@ def test_models_it_does_not_write_out_run_the_own_loop():
     one_norm = _qwen3()
     del one_norm.model.layers[1].self_attn.k_norm  # a query norm without a key norm is not Qwen3's layer
     assert "is not a pre-norm attention block" in lean_unsupported(one_norm)
-
-
-def test_a_step_whose_tokens_differ_from_generate_is_refused(monkeypatch):
-    llama = tiny_model("llama", seed=1)
-    original = LeanSteps.__call__
-    monkeypatch.setattr(LeanSteps, "__call__", lambda self, *a: original(self, *a).roll(1, dims=-1))
-    mode, line = choose_decode(llama, "lean", "tiny")
-    assert mode == "own" and line.startswith("model.decode: the eager loop for tiny, its lean step: ")
 
 
 def test_methods_accept_decode_lean():
